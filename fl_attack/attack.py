@@ -1,0 +1,279 @@
+"""The one-call entry point: ``invert`` a linear layer's gradient (or weight update)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fl_attack import filtering, polish, refine, search, select
+from fl_attack.config import AttackConfig
+from fl_attack.decompose import Decomposition, decompose
+from fl_attack.scale import LayerSystem, make_system, reconstruct
+from fl_attack.validation import as_tensor, check_layer, input_precision, resolve_device
+
+
+@dataclass
+class Reconstruction:
+    """Result of an inversion. ``inputs`` rows are the layer's inputs, in arbitrary order."""
+
+    inputs: torch.Tensor
+    """(B, n) reconstructed inputs of the layer, float64 on the CPU."""
+    batch_size: int
+    """Detected (or given) batch size B."""
+    sparsity_match: float | None
+    """λ ∈ [0, 1]; None without ``weight`` and ``bias``."""
+    exact: bool
+    """True when λ = 1: the reconstruction is certified without ground truth."""
+    n_directions: int
+    """Directions found by the search; < B means a partial reconstruction."""
+    method: str
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+    rounds: int = 0
+    n_candidates: int = 0
+    swaps: int = 0
+    noise_std: float = 0.0
+    scales: torch.Tensor | None = None
+    """Per-sample scale of ∂L/∂Z columns (sign tells nothing; magnitude ~ per-sample loss grad)."""
+    column_match: torch.Tensor | None = None
+    """Per-sample sparsity match (fraction of the m entries whose patterns agree)."""
+    config: AttackConfig | None = None
+
+    @property
+    def partial(self) -> bool:
+        """True when fewer than B directions were found (the rest of Q̄ was completed)."""
+        return self.n_directions < self.batch_size
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe summary (no tensors) for logs and metric records."""
+        return {
+            "method": self.method,
+            "batch_size": self.batch_size,
+            "n_directions": self.n_directions,
+            "partial": self.partial,
+            "sparsity_match": self.sparsity_match,
+            "exact": self.exact,
+            "seconds": round(self.seconds, 4),
+            "rounds": self.rounds,
+            "n_candidates": self.n_candidates,
+            "swaps": self.swaps,
+            "noise_std": self.noise_std,
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+        }
+
+
+def invert(
+    weight_grad: torch.Tensor | np.ndarray,
+    bias_grad: torch.Tensor | np.ndarray,
+    *,
+    weight: torch.Tensor | np.ndarray | None = None,
+    bias: torch.Tensor | np.ndarray | None = None,
+    method: str = "spear++",
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    config: AttackConfig | None = None,
+    **options: Any,
+) -> Reconstruction:
+    """Recover the batch that produced a linear layer's gradient (SPEAR / SPEAR++).
+
+    ``weight_grad`` (m, n) and ``bias_grad`` (m,) are ∂L/∂W and ∂L/∂b of ``nn.Linear(n, m)``, or a
+    weight update ``W₀ - W_E``, ``b₀ - b_E`` (FedAvg; the learning rate cancels). ``weight`` and
+    ``bias`` (the layer's parameters the client started from) enable the sparsity-matching
+    certificate λ and the greedy selection; without them the result is never marked exact.
+    Options are the fields of :class:`AttackConfig` (unknown names raise ``TypeError``).
+    """
+    start = time.perf_counter()
+    cfg = AttackConfig.from_options(config, method=method, **options)
+    dev = resolve_device(device)
+    precision = input_precision(weight_grad, bias_grad)
+    G = as_tensor(weight_grad, "weight_grad", ndim=2, device=dev)
+    g = as_tensor(bias_grad, "bias_grad", ndim=1, device=dev)
+    W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
+    b = as_tensor(bias, "bias", ndim=1, device=dev) if bias is not None else None
+    check_layer(G, g, W, b)
+    generator = torch.Generator().manual_seed(seed)
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    floor = 1e-6 if precision == torch.float32 else 1e-13
+    dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
+    timings["decompose"] = time.perf_counter() - t0
+    zero_rtol = cfg.zero_rtol or _default_zero_rtol(precision, dec)
+    system = make_system(dec.L, dec.R, g, W, b, zero_rtol)
+    run = _Search(cfg, dec, system, generator, dev, timings, start)
+    Q, n_found = run.find()
+
+    t0 = time.perf_counter()
+    X, s = reconstruct(Q, system)
+    timings["reconstruct"] = time.perf_counter() - t0
+    lam = run.match.value if run.match is not None else None
+    col = None
+    if run.match is not None:
+        col = (run.match.per_column.double() / G.shape[0]).cpu()
+    return Reconstruction(
+        inputs=X.cpu(),
+        batch_size=dec.batch_size,
+        sparsity_match=lam,
+        exact=lam is not None and lam >= 1.0 and n_found == dec.batch_size,
+        n_directions=n_found,
+        method=cfg.method,
+        seconds=time.perf_counter() - start,
+        timings=timings,
+        rounds=run.rounds,
+        n_candidates=run.n_candidates,
+        swaps=run.swaps,
+        noise_std=dec.noise_std,
+        scales=s.cpu(),
+        column_match=col,
+        config=cfg,
+    )
+
+
+def _default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
+    """Numerical-zero tolerance for entries of L q, relative to the column's largest entry."""
+    base = 1e-9 if precision == torch.float64 else 1e-4
+    return base
+
+
+class _Search:
+    """Rounds of search (SPEAR++ optimisation or SPEAR sampling) feeding a candidate pool."""
+
+    def __init__(self, cfg: AttackConfig, dec: Decomposition, system: LayerSystem,
+                 generator: torch.Generator, device: torch.device, timings: dict[str, float],
+                 start: float) -> None:
+        self.cfg, self.dec, self.system = cfg, dec, system
+        self.generator, self.device, self.timings, self.start = generator, device, timings, start
+        self.B = dec.batch_size
+        m = dec.L.shape[0]
+        self.min_zeros = max(filtering.min_zero_count(m, cfg.p_false_reject, cfg.tau), self.B)
+        self.pool = torch.empty(self.B, 0, dtype=torch.float64, device=device)
+        self.pool_zeros = torch.empty(0, dtype=torch.long, device=device)
+        self.match: select.Match | None = None
+        self.rounds = self.swaps = self.n_candidates = 0
+        self.lambda_stop = cfg.lambda_stop or 1.0
+        self.faces_seen: set[bytes] = set()
+
+    def _tick(self, key: str, t0: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def _out_of_time(self) -> bool:
+        budget = self.cfg.max_seconds
+        return budget is not None and time.perf_counter() - self.start > budget
+
+    def _add(self, Q: torch.Tensor, zeros: torch.Tensor,
+             leverage: torch.Tensor | None = None) -> None:
+        keep = zeros >= self.min_zeros
+        if leverage is not None:
+            keep &= leverage < self.cfg.max_leverage
+        pool = torch.cat([self.pool, Q[:, keep]], dim=1)
+        pz = torch.cat([self.pool_zeros, zeros[keep]])
+        order = torch.argsort(pz, descending=True, stable=True)
+        pool, pz = pool[:, order], pz[order]
+        idx = filtering.dedupe(pool, self.cfg.dedupe_tol)
+        self.pool = filtering.normalize_columns(pool[:, idx])
+        self.pool_zeros = pz[idx]
+        self.n_candidates = self.pool.shape[1]
+
+    def _select(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        idx, count = select.stage1(self.pool, self.B)
+        Q = select.complete_basis(self.pool[:, idx], self.B)
+        rest = torch.ones(self.pool.shape[1], dtype=torch.bool, device=self.pool.device)
+        rest[idx] = False
+        return Q, count, self.pool[:, rest]
+
+    def _round_spearpp(self) -> None:
+        cfg, B = self.cfg, self.B
+        K = cfg.n_init or max(256, 20 * B)
+        dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
+        L = self.dec.L.to(dtype)
+        init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
+                                    device=self.device)
+        t0 = time.perf_counter()
+        Qopt = search.optimise_on_sphere(
+            L, init, loss=cfg.loss, optimizer=cfg.optimizer, steps=cfg.steps, lr=cfg.lr,
+            milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
+        )
+        self._tick("search", t0)
+        t0 = time.perf_counter()
+        if cfg.polish:
+            m = self.dec.L.shape[0]
+            n_rows = max(int(0.75 * self.min_zeros), B + 2)
+            n_rows = min(n_rows, m - 1)
+            Qp, zeros, face_dim, lev = polish.polish(self.dec.L, Qopt, n_rows=n_rows,
+                                                     zero_rtol=self.system.zero_rtol)
+            self._add(Qp, zeros, lev)
+            faces = torch.nonzero(face_dim > 1).squeeze(1)
+            self._tick("polish", t0)
+            t0 = time.perf_counter()
+            self._split_faces(Qopt.double()[:, faces], n_rows)
+            self._tick("faces", t0)
+            return
+        else:
+            Qp = Qopt.double()
+            zeros = filtering.zero_mask(self.dec.L @ Qp, self.system.zero_rtol).sum(dim=0)
+        self._tick("polish", t0)
+        self._add(Qp, zeros)
+
+    def _split_faces(self, Q: torch.Tensor, n_rows: int) -> None:
+        """Split each new face (kernel of dimension > 1) into its sparsest directions."""
+        L, rtol = self.dec.L, self.system.zero_rtol
+        found, counts = [], []
+        for j in range(Q.shape[1]):
+            N = refine.face_basis(L, Q[:, j], n_rows, rtol)
+            if N.shape[1] < 2 or N.shape[1] > self.cfg.max_face_dim:
+                continue
+            shared = (L @ N).norm(dim=1)
+            key = (shared <= rtol * shared.max()).cpu().numpy().tobytes()
+            if key in self.faces_seen:
+                continue
+            self.faces_seen.add(key)
+            Qf, zf = refine.split_face(L, N, zero_rtol=rtol, generator=self.generator)
+            if Qf.shape[1]:
+                found.append(Qf)
+                counts.append(zf)
+        if found:
+            Qc = torch.cat(found, dim=1)
+            n_rows_c = n_rows
+            Qp, zeros, _, lev = polish.polish(L, Qc, n_rows=n_rows_c, zero_rtol=rtol)
+            self._add(Qp, zeros, lev)
+
+    def find(self) -> tuple[torch.Tensor, int]:
+        """Search until B directions with λ ≥ the stop level, the round cap or the time budget."""
+        Q, count = None, 0
+        for _ in range(self.cfg.max_rounds):
+            self.rounds += 1
+            self._round_spearpp()
+            t0 = time.perf_counter()
+            Q, count, _ = self._select()
+            if count == self.B:
+                self.match = select.sparsity_match(Q, self.system)
+            self._tick("select", t0)
+            if self.cfg.progress:
+                lam = f"{self.match.value:.4f}" if self.match else "-"
+                print(f"[fl_attack] round {self.rounds}: {self.n_candidates} candidates, "
+                      f"{count}/{self.B} directions, λ={lam}", flush=True)
+            if count == self.B and (self.match is None or self.match.value >= self.lambda_stop):
+                break
+            if self._out_of_time():
+                break
+        assert Q is not None
+        t0 = time.perf_counter()
+        Q, count, spare = self._select()
+        if self.cfg.greedy and self.system.WR is not None:
+            Q, self.match, self.swaps = select.greedy_swaps(
+                Q, spare, self.system, max_swaps=self.cfg.max_swaps,
+                positions=self.cfg.swap_positions,
+            )
+        else:
+            self.match = select.sparsity_match(Q, self.system)
+        self._tick("select", t0)
+        return Q, count
+
+
+def _unused() -> float:  # pragma: no cover - keeps math imported for future noise rules
+    return math.pi

@@ -1,0 +1,162 @@
+"""Configuration of the attack: one dataclass with documented, validated defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+METHODS = ("spear++", "spear")
+LOSSES = ("l1", "logcosh", "l4")
+OPTIMIZERS = ("radam", "pgd")
+SPARSE_SIDES = ("output", "input", "auto")
+
+
+@dataclass
+class AttackConfig:
+    """Options of :func:`fl_attack.invert`. Defaults work without tuning on FedSGD gradients.
+
+    Attributes are grouped by the step of the attack they control (SPEC §2-§6).
+    """
+
+    # --- which attack ---------------------------------------------------------------------------
+    method: str = "spear++"
+    """``"spear++"`` (dictionary learning, polynomial in B) or ``"spear"`` (sampling)."""
+    sparse: str = "output"
+    """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
+    layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input)."""
+
+    # --- decomposition (SPEC §2) ----------------------------------------------------------------
+    batch_size: int | None = None
+    """Override the batch size B read off the gradient's numerical rank."""
+    rank_margin: float = 2.0
+    """A singular value counts as signal when above ``rank_margin`` x the estimated noise edge
+    ν(√m+√n) (Marchenko-Pastur). Also guards against float rounding in clean gradients."""
+
+    # --- SPEAR++ search (SPEC §4) ---------------------------------------------------------------
+    loss: str = "l1"
+    """Sparsity surrogate: ``"l1"`` (best), ``"logcosh"`` (smooth) or ``"l4"`` (−ℓ4, weakest)."""
+    optimizer: str = "radam"
+    """``"radam"`` (Riemannian Adam on the sphere, geoopt) or ``"pgd"`` (projected gradient)."""
+    n_init: int | None = None
+    """Random initialisations per round, optimised as one B x K batch. None: ``max(256, 20 B)``."""
+    steps: int = 300
+    """Optimisation steps per round (the paper used 500; polishing makes fewer enough)."""
+    lr: float | None = None
+    """Initial learning rate. None: 0.1 for radam, 5.0 for pgd (PGD steps on the mean loss)."""
+    lr_milestones: tuple[float, ...] = (0.4, 0.8)
+    """Fractions of ``steps`` at which the learning rate is multiplied by ``lr_gamma``."""
+    lr_gamma: float = 0.1
+    logcosh_alpha: float = 20.0
+    """Sharpness α of LogCosh, applied to entries scaled to unit RMS (lost in the paper; tuned)."""
+    max_rounds: int = 4
+    """Rounds of fresh initialisations before giving up on missing directions."""
+    max_seconds: float | None = None
+    """Wall-clock budget for the search; the best selection so far is returned when it runs out."""
+
+    # --- SPEAR sampling (SPEC §3) ---------------------------------------------------------------
+    samples_per_step: int = 4096
+    """(B-1) x B submatrices drawn and solved at once per sampling step."""
+    max_samples: int = 2_000_000
+    """Sampling budget of SPEAR (the paper allows up to 2e9 on a GPU)."""
+
+    # --- polishing / rounding and filtering (SPEC §4, §3.2) -------------------------------------
+    polish: bool = True
+    """Round every optimised direction to the exact kernel of its predicted zero rows."""
+    zero_rtol: float | None = None
+    """An entry of L q counts as zero below ``zero_rtol`` x the column's max. None: from the
+    precision of the gradient (1e-9 float64, 1e-4 float32) or from the estimated noise."""
+    p_false_reject: float = 1e-5
+    """Probability that a true direction is rejected by the sparsity threshold τ (binomial tail)."""
+    tau: float | None = None
+    """Override the minimal fraction of zeros a candidate needs."""
+    max_leverage: float = 0.99
+    """Reject candidates with a zero row of leverage above this (coincidental zeros)."""
+    max_face_dim: int = 8
+    """Largest face (group of samples sharing their zero rows) split by sampling."""
+    dedupe_tol: float = 1e-6
+    """Directions with |cos| > 1 - dedupe_tol are duplicates (up to sign)."""
+
+    # --- selection (SPEC §5) --------------------------------------------------------------------
+    greedy: bool = True
+    """Stage 2: swap columns for spare candidates while the sparsity-matching λ increases."""
+    max_swaps: int = 200
+    swap_positions: int = 6
+    """Positions tried per spare candidate in stage 2 (those with the largest coefficients)."""
+    lambda_stop: float | None = None
+    """Stop searching once λ reaches this value. None: 1.0 (clean) or chosen from the noise."""
+
+    # --- noise (DP-SGD, SPEC §6) ----------------------------------------------------------------
+    noise: str | float = "auto"
+    """``"auto"``: estimate the noise from the spectrum; ``0``: treat as clean; a float: the
+    known std of the noise on each gradient entry."""
+
+    # --- execution ------------------------------------------------------------------------------
+    search_dtype: str = "float32"
+    """Precision of the optimisation (final solves are always float64)."""
+    progress: bool = False
+    """Print progress of the rounds (for long attacks)."""
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid option."""
+        _choice("method", self.method, METHODS)
+        _choice("sparse", self.sparse, SPARSE_SIDES)
+        _choice("loss", self.loss, LOSSES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("search_dtype", self.search_dtype, ("float32", "float64"))
+        if self.batch_size is not None and (not isinstance(self.batch_size, int)
+                                            or self.batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or None, got {self.batch_size!r}")
+        for name in ("steps", "max_rounds", "samples_per_step", "max_samples", "max_swaps",
+                     "swap_positions", "max_face_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0 or (name != "max_swaps" and value == 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_init is not None and (not isinstance(self.n_init, int) or self.n_init < 1):
+            raise ValueError(f"n_init must be a positive int or None, got {self.n_init!r}")
+        for name in ("lr", "max_seconds", "zero_rtol", "tau", "lambda_stop"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if self.tau is not None and not 0 < self.tau < 1:
+            raise ValueError(f"tau must lie in (0, 1), got {self.tau}")
+        if self.lambda_stop is not None and self.lambda_stop > 1:
+            raise ValueError(f"lambda_stop must be <= 1, got {self.lambda_stop}")
+        if not 0 < self.p_false_reject < 1:
+            raise ValueError(f"p_false_reject must lie in (0, 1), got {self.p_false_reject}")
+        if not 0 < self.lr_gamma <= 1:
+            raise ValueError(f"lr_gamma must lie in (0, 1], got {self.lr_gamma}")
+        if any(not 0 < f < 1 for f in self.lr_milestones):
+            raise ValueError(f"lr_milestones are fractions in (0, 1), got {self.lr_milestones}")
+        if self.rank_margin <= 1:
+            raise ValueError(f"rank_margin must be > 1, got {self.rank_margin}")
+        if self.logcosh_alpha <= 0:
+            raise ValueError(f"logcosh_alpha must be > 0, got {self.logcosh_alpha}")
+        if not 0 < self.dedupe_tol < 1:
+            raise ValueError(f"dedupe_tol must lie in (0, 1), got {self.dedupe_tol}")
+        if isinstance(self.noise, str):
+            if self.noise != "auto":
+                raise ValueError(f"noise must be 'auto' or a number >= 0, got {self.noise!r}")
+        elif not (isinstance(self.noise, (int, float)) and self.noise >= 0):
+            raise ValueError(f"noise must be 'auto' or a number >= 0, got {self.noise!r}")
+
+    @classmethod
+    def from_options(cls, base: AttackConfig | None = None, **options: Any) -> AttackConfig:
+        """Build a config from keyword options, rejecting unknown names with the valid ones."""
+        known = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown attack option(s) {unknown}; valid options: {sorted(known)}"
+            )
+        values = {f.name: getattr(base, f.name) for f in fields(cls)} if base else {}
+        values.update(options)
+        return cls(**values)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {list(allowed)}")

@@ -1,0 +1,93 @@
+"""Step 1 (SPEC §2): low-rank factorisation G = L R and batch-size detection.
+
+The batch size is the numerical rank of G. Clean float32 gradients carry rounding noise and DP-SGD
+gradients carry Gaussian noise; both are full-rank "bulks" whose edge is estimated from the tail
+energy (Marchenko-Pastur), so a single noise-aware rule reads B off either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Decomposition:
+    """G ≈ L R with L (m, B) orthonormal columns (SPEAR++ preconditioning) and R = S_B V_Bᵀ."""
+
+    L: torch.Tensor
+    R: torch.Tensor
+    singular_values: torch.Tensor
+    batch_size: int
+    noise_std: float
+    """Estimated std of the noise on each gradient entry (rounding noise for clean gradients)."""
+    noise_edge: float
+    """Estimated largest singular value of the noise alone, ν(√m + √n)."""
+
+
+def estimate_rank(
+    s: torch.Tensor, m: int, n: int, *, margin: float = 2.0, floor_rtol: float = 1e-13
+) -> tuple[int, float, float]:
+    """Numerical rank of an m x n matrix from all its singular values ``s`` (descending).
+
+    Iterates: noise std ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
+    Returns (rank, ν, noise edge).
+    """
+    s = s.double()
+    energy = s.square()
+    total = float(energy.sum())
+    floor = float(s[0]) * floor_rtol
+    k = 0
+    nu = edge = 0.0
+    for _ in range(50):
+        tail = max(total - float(energy[:k].sum()), 0.0)
+        dof = max((m - k) * (n - k), 1)
+        nu = math.sqrt(tail / dof)
+        edge = nu * (math.sqrt(m) + math.sqrt(n))
+        new_k = int((s > max(margin * edge, floor)).sum())
+        if new_k == k:
+            break
+        k = new_k
+    return k, nu, edge
+
+
+def decompose(
+    weight_grad: torch.Tensor,
+    *,
+    batch_size: int | None = None,
+    rank_margin: float = 2.0,
+    floor_rtol: float = 1e-13,
+) -> Decomposition:
+    """Factor the weight gradient (float64) and read off the batch size.
+
+    ``floor_rtol`` is the relative size below which a singular value is rounding error whatever
+    the noise estimate says (rounding noise is not i.i.d.: float32 gradients need ~1e-6).
+    Raises ``ValueError`` when the rank is 0 or not smaller than min(m, n) (then the batch is
+    not identifiable from this layer) or when an explicit ``batch_size`` exceeds min(m, n) - 1.
+    """
+    m, n = weight_grad.shape
+    G = weight_grad.double()
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    rank, nu, edge = estimate_rank(S, m, n, margin=rank_margin, floor_rtol=floor_rtol)
+    limit = min(m, n)
+    if batch_size is None:
+        if rank == 0:
+            raise ValueError("weight_grad has numerical rank 0: nothing to invert")
+        if rank >= limit:
+            raise ValueError(
+                f"weight_grad has full numerical rank {rank} = min(m, n) = {limit}: the batch is "
+                f"not smaller than the layer (B >= min(m, n)) or the noise swamps the signal, so "
+                f"the batch is not identifiable from this layer"
+            )
+        B = rank
+    else:
+        if batch_size >= limit:
+            raise ValueError(
+                f"batch_size={batch_size} is not smaller than min(m, n) = {limit}: not identifiable"
+            )
+        B = batch_size
+    L = U[:, :B].contiguous()
+    R = (S[:B, None] * Vh[:B]).contiguous()
+    return Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu, noise_edge=edge)

@@ -1,0 +1,112 @@
+"""Step 2b (SPEC §4 "rounding"): snap approximate sparse directions to exact kernel directions.
+
+An optimised q is close to a true column when the smallest entries of L q are its true zeros;
+the exact direction is then in the kernel of L restricted to those rows. Least squares over many
+rows (not just B-1) makes it stable, and a second pass over all predicted zeros reaches float
+precision. When several samples share those zeros the kernel has dimension k > 1: q is then
+projected onto it (keeping what the optimiser found) and the dimension is reported, so the
+caller can split that small subspace (see :mod:`fl_attack.refine`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fl_attack.filtering import zero_mask
+
+
+def masked_gram_eigh(
+    L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decompositions of Lᵀ diag(mask_k) L for each column k of ``mask`` (m, K).
+
+    Returns (eigenvalues (K, B) ascending, eigenvectors (K, B, B)), float64.
+    """
+    m, B = L.shape
+    K = mask.shape[1]
+    vals = torch.empty(K, B, dtype=L.dtype, device=L.device)
+    vecs = torch.empty(K, B, B, dtype=L.dtype, device=L.device)
+    per = max(1, chunk_elems // (m * B))
+    Lt = L.T
+    for start in range(0, K, per):
+        msk = mask[:, start:start + per].T.to(L.dtype)  # (k, m)
+        gram = (Lt[None] * msk[:, None, :]) @ L  # (k, B, B)
+        vals[start:start + per], vecs[start:start + per] = torch.linalg.eigh(gram)
+    return vals, vecs
+
+
+def project_to_kernel(
+    Q: torch.Tensor, vals: torch.Tensor, vecs: torch.Tensor, eig_tol: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project each q onto its numerical kernel; returns (unit columns, kernel dimensions)."""
+    in_kernel = vals <= eig_tol[:, None]  # (K, B)
+    in_kernel[:, 0] = True
+    coeff = torch.einsum("kbj,bk->kj", vecs, Q) * in_kernel  # (K, B)
+    P = torch.einsum("kbj,kj->bk", vecs, coeff)
+    weak = P.norm(dim=0) < 1e-6  # q orthogonal to its kernel: take the smallest eigenvector
+    if bool(weak.any()):
+        P[:, weak] = vecs[weak, :, 0].T
+    return P / P.norm(dim=0, keepdim=True), in_kernel.sum(dim=1)
+
+
+def max_leverage(L: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor,
+                 chunk_elems: int = 2**25) -> torch.Tensor:
+    """Largest leverage of a zero row of each candidate (K,), in [0, 1].
+
+    A row has leverage 1 when dropping it from the zero set enlarges the kernel: the direction
+    then owes its zeros to a coincidence of B-1 rows (a generic kernel, or a vertex of a face
+    whose extra zeros are cancellations) rather than to a sample's ReLU pattern, where every
+    zero row is redundant. True columns have all leverages well below 1.
+    """
+    m, B = L.shape
+    K = Q.shape[1]
+    out = torch.empty(K, dtype=L.dtype, device=L.device)
+    per = max(1, chunk_elems // (m * B))
+    Lt = L.T
+    for start in range(0, K, per):
+        msk = mask[:, start:start + per].T.to(L.dtype)  # (k, m)
+        q = Q[:, start:start + per].T  # (k, B)
+        gram = (Lt[None] * msk[:, None, :]) @ L + q[:, :, None] * q[:, None, :]
+        sol, info = torch.linalg.solve_ex(gram, Lt[None].expand(gram.shape[0], -1, -1))
+        lev = (sol * Lt[None]).sum(dim=1) * msk  # (k, m)
+        lev = lev.amax(dim=1)
+        lev[(info != 0) | ~torch.isfinite(lev)] = 1.0  # singular: the kernel is not unique
+        out[start:start + per] = lev
+    return out
+
+
+def polish(
+    L: torch.Tensor,
+    Q: torch.Tensor,
+    *,
+    n_rows: int,
+    zero_rtol: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round directions ``Q`` (B, K) to exact kernel directions.
+
+    Returns (Q_polished (B, K), zero counts (K,), face dimensions (K,), max leverages (K,), see
+    :func:`max_leverage`; 1 where the final zero set still has a kernel of dimension > 1).
+    The face dimension is the dimension of the
+    kernel on the rows where the optimised q was smallest. Above 1, those rows are shared by
+    several samples and q sits in their face (a mixture unless it is split, see ``refine``).
+    """
+    L = L.double()
+    Q = Q.to(L.dtype)
+    m, B = L.shape
+    V = L @ Q
+    n_rows = max(min(n_rows, m - 1), B - 1)
+    idx = V.abs().topk(n_rows, dim=0, largest=False).indices
+    mask = torch.zeros_like(V, dtype=torch.bool).scatter_(0, idx, True)
+    face_dim = None
+    for _ in range(2):
+        vals, vecs = masked_gram_eigh(L, mask)
+        eig_tol = mask.sum(dim=0).to(L.dtype) * (zero_rtol**2) / m
+        Q, kdim = project_to_kernel(Q, vals, vecs, eig_tol)
+        face_dim = kdim if face_dim is None else face_dim
+        V = L @ Q
+        new_mask = zero_mask(V, zero_rtol)
+        enough = new_mask.sum(dim=0) >= B - 1
+        mask = torch.where(enough[None], new_mask, mask)
+    lev = max_leverage(L, Q, mask)
+    lev[kdim > 1] = 1.0  # still inside a face: a mixture of samples, not a column
+    return Q, mask.sum(dim=0), face_dim, lev

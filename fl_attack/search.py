@@ -1,0 +1,78 @@
+"""Step 2 of SPEAR++ (SPEC §4): sparse directions as local minima of φ(L q) on the unit sphere.
+
+All K random initialisations are optimised together as one (K, B) matrix, so each step is two
+dense matrix products, on whatever device ``L`` lives on.
+"""
+
+from __future__ import annotations
+
+import geoopt
+import torch
+
+
+def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
+    """Σ_j φ(v_j) per row of V (K, m); ``alpha`` is LogCosh's sharpness on unit-RMS entries."""
+    if loss == "l1":
+        return V.abs().sum(dim=1)
+    if loss == "logcosh":
+        scale = V.detach().square().mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+        a = alpha / scale
+        # log cosh(x) = |x| + log1p(exp(-2|x|)) - log 2, stable for large |x|
+        x = (a * V).abs()
+        return ((x + torch.log1p(torch.exp(-2 * x)) - 0.6931471805599453) / a).sum(dim=1)
+    if loss == "l4":
+        return -V.pow(4).sum(dim=1)
+    raise ValueError(f"unknown loss {loss!r}; choose 'l1', 'logcosh' or 'l4'")
+
+
+def random_sphere(K: int, B: int, *, generator: torch.Generator, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """K points drawn uniformly from the unit sphere in R^B, as rows."""
+    X = torch.randn(K, B, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+    return X / X.norm(dim=1, keepdim=True)
+
+
+def optimise_on_sphere(
+    L: torch.Tensor,
+    init: torch.Tensor,
+    *,
+    loss: str = "l1",
+    optimizer: str = "radam",
+    steps: int = 300,
+    lr: float | None = None,
+    milestones: tuple[float, ...] = (0.4, 0.8),
+    gamma: float = 0.1,
+    alpha: float = 20.0,
+) -> torch.Tensor:
+    """Minimise φ(L q) over the sphere from each row of ``init`` (K, B); returns (B, K) columns.
+
+    ``L`` (m, B) fixes device and dtype. Riemannian Adam is geoopt's; PGD takes a Euclidean
+    gradient step on the mean loss and renormalises.
+    """
+    L = L.detach()
+    Lt = L.T.contiguous()
+    m = L.shape[0]
+    X0 = init.to(device=L.device, dtype=L.dtype)
+    marks = sorted({int(f * steps) for f in milestones})
+    if optimizer == "radam":
+        param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
+        opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            sparsity_loss(param @ Lt, loss, alpha).sum().backward()
+            opt.step()
+            sched.step()
+        return param.detach().T.contiguous()
+    if optimizer == "pgd":
+        X = X0.clone().requires_grad_(True)
+        step = 5.0 if lr is None else lr
+        for it in range(steps):
+            if it in marks:
+                step *= gamma
+            (grad,) = torch.autograd.grad((sparsity_loss(X @ Lt, loss, alpha) / m).sum(), X)
+            with torch.no_grad():
+                X -= step * grad
+                X /= X.norm(dim=1, keepdim=True)
+        return X.detach().T.contiguous()
+    raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")

@@ -1,0 +1,151 @@
+"""Step 4 (SPEC §5): pick B directions among the candidates.
+
+Stage 1 takes the sparsest candidates that increase the rank (completing with an orthonormal
+basis of the complement when too few exist: a partial reconstruction). Stage 2 greedily swaps a
+column for a spare candidate while the sparsity-matching coefficient λ increases. A swap changes
+Q̄ by a rank-one term, so its λ is evaluated in O(m B) with Sherman-Morrison instead of the
+O(m n B) of a fresh reconstruction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.filtering import zero_mask
+from fl_attack.scale import LayerSystem, scales
+
+
+def stage1(candidates: torch.Tensor, B: int, tol: float = 1e-8) -> tuple[torch.Tensor, int]:
+    """Indices of the first columns (in given order) that increase the rank, at most B.
+
+    Returns (indices, count). ``candidates`` (B, K) is expected sorted by decreasing sparsity.
+    """
+    basis = torch.empty(B, 0, dtype=candidates.dtype, device=candidates.device)
+    chosen: list[int] = []
+    C = candidates / candidates.norm(dim=0, keepdim=True)
+    for k in range(C.shape[1]):
+        c = C[:, k]
+        r = c - basis @ (basis.T @ c)
+        r = r - basis @ (basis.T @ r)
+        norm = float(r.norm())
+        if norm > tol:
+            basis = torch.cat([basis, (r / norm)[:, None]], dim=1)
+            chosen.append(k)
+            if len(chosen) == B:
+                break
+    return torch.tensor(chosen, dtype=torch.long, device=candidates.device), len(chosen)
+
+
+def complete_basis(Q: torch.Tensor, B: int) -> torch.Tensor:
+    """Append an orthonormal basis of the orthogonal complement of span(Q) to reach B columns."""
+    k = Q.shape[1]
+    if k >= B:
+        return Q
+    if k == 0:
+        return torch.eye(B, dtype=Q.dtype, device=Q.device)
+    U, _, _ = torch.linalg.svd(Q, full_matrices=True)
+    return torch.cat([Q, U[:, k:B]], dim=1)
+
+
+def _matches(Z: torch.Tensor, Dzero: torch.Tensor) -> torch.Tensor:
+    """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0" (the λ₋ and λ₊ terms)."""
+    return (Z <= 0) == Dzero
+
+
+@dataclass
+class Match:
+    """The sparsity-matching coefficient λ of a basis and what is needed to update it."""
+
+    value: float
+    per_column: torch.Tensor
+    H: torch.Tensor
+    s: torch.Tensor
+    P: torch.Tensor
+
+
+def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
+    """λ = (λ₋ + λ₊)/(m B) for unscaled columns ``Q`` (SPEC §1); None without weight and bias."""
+    if system.WR is None or system.bias is None:
+        return None
+    m = system.L.shape[0]
+    P = torch.linalg.inv(Q)
+    s = P @ system.t
+    H = system.WR @ P.T
+    Z = H / s + system.bias[:, None]
+    Dzero = zero_mask(system.L @ Q, system.zero_rtol)
+    per_col = _matches(Z, Dzero).sum(dim=0)
+    value = float(per_col.sum()) / (m * Q.shape[1])
+    return Match(value=value, per_column=per_col, H=H, s=s, P=P)
+
+
+def greedy_swaps(
+    Q: torch.Tensor,
+    spare: torch.Tensor,
+    system: LayerSystem,
+    *,
+    max_swaps: int = 200,
+    positions: int = 6,
+    chunk_elems: int = 2**25,
+) -> tuple[torch.Tensor, Match | None, int]:
+    """Stage 2: best-improvement swaps of columns of ``Q`` with ``spare`` candidates.
+
+    Returns (Q, its Match, number of swaps made).
+    """
+    match = sparsity_match(Q, system)
+    if match is None or spare.shape[1] == 0:
+        return Q, match, 0
+    L, b = system.L, system.bias
+    m, B = L.shape
+    Q = Q.clone()
+    spare = spare.clone()
+    spare_zero = zero_mask(L @ spare, system.zero_rtol)  # (m, c)
+    Dzero = zero_mask(L @ Q, system.zero_rtol)
+    swaps = 0
+    r = min(positions, B)
+    while swaps < max_swaps and match.value < 1.0:
+        A = match.P @ spare  # (B, c): coordinates of spares in the current basis
+        c = A.shape[1]
+        pos = A.abs().topk(r, dim=0).indices  # (r, c)
+        u_idx = torch.arange(c, device=Q.device).repeat(r)
+        i_idx = pos.reshape(-1)
+        base = float(match.per_column.sum())
+        best_gain, best = 0.0, None
+        per = max(1, chunk_elems // (m * B))
+        for start in range(0, u_idx.numel(), per):
+            u = u_idx[start:start + per]
+            i = i_idx[start:start + per]
+            a = A[:, u]  # (B, p)
+            a_i = a.gather(0, i[None])  # (1, p)
+            ok = a_i.abs() > 1e-10
+            ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
+            Hi = match.H[:, i]  # (m, p)
+            s_new = match.s[:, None] - ratio * match.s[i][None]  # (B, p)
+            H_new = match.H[:, :, None] - Hi[:, None, :] * ratio[None]  # (m, B, p)
+            Z_new = H_new / s_new[None] + b[:, None, None]
+            counts = _matches(Z_new, Dzero[:, :, None]).sum(dim=0)  # (B, p)
+            # column i keeps x_i (its Z is unchanged) but its pattern becomes that of the spare
+            Zi = match.H[:, i] / match.s[i][None] + b[:, None]
+            counts_i = _matches(Zi, spare_zero[:, u]).sum(dim=0)
+            counts.scatter_(0, i[None], counts_i[None])
+            total = counts.sum(dim=0).to(torch.float64)
+            total[~ok[0]] = -1.0
+            gain, j = total.max(dim=0)
+            if float(gain) - base > best_gain:
+                best_gain, best = float(gain) - base, (int(u[j]), int(i[j]))
+        if best is None:
+            break
+        u_sel, i_sel = best
+        old = Q[:, i_sel].clone()
+        Q[:, i_sel] = spare[:, u_sel]
+        spare[:, u_sel] = old
+        swapped = Dzero[:, i_sel].clone()
+        Dzero[:, i_sel] = spare_zero[:, u_sel]
+        spare_zero[:, u_sel] = swapped
+        match = sparsity_match(Q, system)
+        swaps += 1
+    return Q, match, swaps
+
+
+__all__ = ["Match", "complete_basis", "greedy_swaps", "scales", "sparsity_match", "stage1"]
