@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import filtering, polish, refine, search, select
+from fl_attack import filtering, polish, refine, sampling, search, select
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
@@ -103,8 +103,13 @@ def invert(
     floor = 1e-6 if precision == torch.float32 else 1e-13
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
     timings["decompose"] = time.perf_counter() - t0
+    S = dec.singular_values
+    B0 = dec.batch_size
+    if precision == torch.float64 and B0 < S.numel() and S[B0] > 1e-11 * S[0]:
+        precision = torch.float32  # float64 storage of float32-precision numbers
     zero_rtol = cfg.zero_rtol or _default_zero_rtol(precision, dec)
-    system = make_system(dec.L, dec.R, g, W, b, zero_rtol)
+    z_band = 1e-5 if precision == torch.float32 else 1e-10
+    system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band)
     run = _Search(cfg, dec, system, generator, dev, timings, start)
     Q, n_found = run.find()
 
@@ -157,6 +162,7 @@ class _Search:
         self.rounds = self.swaps = self.n_candidates = 0
         self.lambda_stop = cfg.lambda_stop or 1.0
         self.faces_seen: set[bytes] = set()
+        self.samples = 0
 
     def _tick(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
@@ -201,9 +207,7 @@ class _Search:
         self._tick("search", t0)
         t0 = time.perf_counter()
         if cfg.polish:
-            m = self.dec.L.shape[0]
-            n_rows = max(int(0.75 * self.min_zeros), B + 2)
-            n_rows = min(n_rows, m - 1)
+            n_rows = self._n_rows()
             Qp, zeros, face_dim, lev = polish.polish(self.dec.L, Qopt, n_rows=n_rows,
                                                      zero_rtol=self.system.zero_rtol)
             self._add(Qp, zeros, lev)
@@ -219,11 +223,37 @@ class _Search:
         self._tick("polish", t0)
         self._add(Qp, zeros)
 
+    def _round_spear(self) -> None:
+        """SPEAR (SPEC §3): kernels of random (B-1)-row submatrices, batched."""
+        cfg, B, L = self.cfg, self.B, self.dec.L
+        t0 = time.perf_counter()
+        S = min(cfg.samples_per_step, cfg.max_samples - self.samples)
+        rows = sampling.random_row_subsets(L.shape[0], B - 1, S, generator=self.generator)
+        C, rank_ok = sampling.submatrix_kernels(L, rows.to(L.device))
+        self.samples += S
+        zeros = filtering.zero_mask(L @ C, self.system.zero_rtol).sum(dim=0)
+        keep = rank_ok & (zeros >= self.min_zeros)
+        self._tick("search", t0)
+        if bool(keep.any()):
+            t0 = time.perf_counter()
+            Qp, zeros, _, lev = polish.polish(L, C[:, keep], n_rows=self._n_rows(),
+                                              zero_rtol=self.system.zero_rtol)
+            self._add(Qp, zeros, lev)
+            self._tick("polish", t0)
+
+    def _n_rows(self) -> int:
+        """Rows used by the first polishing pass: well inside any true column's zero set."""
+        m = self.dec.L.shape[0]
+        return min(max(int(0.75 * self.min_zeros), self.B + 2), m - 1)
+
     def _split_faces(self, Q: torch.Tensor, n_rows: int) -> None:
         """Split each new face (kernel of dimension > 1) into its sparsest directions."""
         L, rtol = self.dec.L, self.system.zero_rtol
         found, counts = [], []
+        budget = self.cfg.max_faces
         for j in range(Q.shape[1]):
+            if budget <= 0 or self._out_of_time():
+                break
             N = refine.face_basis(L, Q[:, j], n_rows, rtol)
             if N.shape[1] < 2 or N.shape[1] > self.cfg.max_face_dim:
                 continue
@@ -232,6 +262,7 @@ class _Search:
             if key in self.faces_seen:
                 continue
             self.faces_seen.add(key)
+            budget -= 1
             Qf, zf = refine.split_face(L, N, zero_rtol=rtol, generator=self.generator)
             if Qf.shape[1]:
                 found.append(Qf)
@@ -245,9 +276,14 @@ class _Search:
     def find(self) -> tuple[torch.Tensor, int]:
         """Search until B directions with λ ≥ the stop level, the round cap or the time budget."""
         Q, count = None, 0
-        for _ in range(self.cfg.max_rounds):
+        spear = self.cfg.method == "spear"
+        max_rounds = self.cfg.max_rounds if not spear else 1 << 62
+        for _ in range(max_rounds):
             self.rounds += 1
-            self._round_spearpp()
+            if spear:
+                self._round_spear()
+            else:
+                self._round_spearpp()
             t0 = time.perf_counter()
             Q, count, _ = self._select()
             if count == self.B:
@@ -259,8 +295,15 @@ class _Search:
                       f"{count}/{self.B} directions, λ={lam}", flush=True)
             if count == self.B and (self.match is None or self.match.value >= self.lambda_stop):
                 break
-            if self._out_of_time():
+            if self._out_of_time() or (spear and self.samples >= self.cfg.max_samples):
                 break
+            if not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates:
+                t0 = time.perf_counter()
+                seeds = refine.conditional_directions(
+                    self.dec.L, self.pool, zero_rtol=self.system.zero_rtol,
+                    generator=self.generator)
+                self._split_faces(seeds, self._n_rows())
+                self._tick("neighbours", t0)
         assert Q is not None
         t0 = time.perf_counter()
         Q, count, spare = self._select()

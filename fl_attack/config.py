@@ -71,6 +71,8 @@ class AttackConfig:
     """Override the minimal fraction of zeros a candidate needs."""
     max_leverage: float = 0.99
     """Reject candidates with a zero row of leverage above this (coincidental zeros)."""
+    max_faces: int = 128
+    """New faces split per search round (each costs one small batched sampling)."""
     max_face_dim: int = 8
     """Largest face (group of samples sharing their zero rows) split by sampling."""
     dedupe_tol: float = 1e-6
@@ -111,7 +113,7 @@ class AttackConfig:
                                             or self.batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None, got {self.batch_size!r}")
         for name in ("steps", "max_rounds", "samples_per_step", "max_samples", "max_swaps",
-                     "swap_positions", "max_face_dim"):
+                     "swap_positions", "max_face_dim", "max_faces"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0 or (name != "max_swaps" and value == 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -32,13 +32,25 @@ def estimate_rank(
 ) -> tuple[int, float, float]:
     """Numerical rank of an m x n matrix from all its singular values ``s`` (descending).
 
-    Iterates: noise std ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
+    A clean spectrum (a gap of 100x or more down to rounding level, or no flat noise bulk at
+    the bottom) gives the count above the rounding floor. Otherwise the noise is estimated by
+    iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
     Returns (rank, ν, noise edge).
     """
     s = s.double()
     energy = s.square()
     total = float(energy.sum())
     floor = float(s[0]) * floor_rtol
+    r = int((s > floor).sum())
+    if r < s.numel():
+        clean = r == 0 or float(s[r - 1]) > 100 * float(s[r])
+    else:
+        bottom = s[-max(2, s.numel() // 4):]
+        clean = float(bottom.min()) < 0.5 * float(bottom.max())  # no flat noise bulk
+    if clean:
+        dof = max((m - r) * (n - r), 1)
+        nu = math.sqrt(float(energy[r:].sum()) / dof)
+        return r, nu, nu * (math.sqrt(m) + math.sqrt(n))
     k = 0
     nu = edge = 0.0
     for _ in range(50):
@@ -71,15 +83,18 @@ def decompose(
     G = weight_grad.double()
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
     rank, nu, edge = estimate_rank(S, m, n, margin=rank_margin, floor_rtol=floor_rtol)
-    limit = min(m, n)
+    # rows of neurons that no sample activates are exactly zero and carry no rank
+    live_rows = int((G.abs().amax(dim=1) > 0).sum())
+    live_cols = int((G.abs().amax(dim=0) > 0).sum())
+    limit = min(live_rows, live_cols)
     if batch_size is None:
         if rank == 0:
             raise ValueError("weight_grad has numerical rank 0: nothing to invert")
         if rank >= limit:
             raise ValueError(
-                f"weight_grad has full numerical rank {rank} = min(m, n) = {limit}: the batch is "
-                f"not smaller than the layer (B >= min(m, n)) or the noise swamps the signal, so "
-                f"the batch is not identifiable from this layer"
+                f"weight_grad has full numerical rank {rank} = min(m, n) = {limit} (counting only "
+                f"non-zero rows/columns): the batch is not smaller than the layer (B >= min(m, n))"
+                f" or the noise swamps the signal, so the batch is not identifiable from this layer"
             )
         B = rank
     else:

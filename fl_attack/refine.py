@@ -16,6 +16,7 @@ import torch
 
 from fl_attack.filtering import dedupe, zero_mask
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
+from fl_attack.search import optimise_on_sphere
 
 
 def split_face(
@@ -68,3 +69,45 @@ def face_basis(
     tol = n_rows * zero_rtol**2 / L.shape[0]
     k = max(int((vals <= tol).sum()), 1)
     return vecs[:, :k]
+
+
+def conditional_directions(
+    L: torch.Tensor,
+    found: torch.Tensor,
+    *,
+    zero_rtol: float,
+    generator: torch.Generator,
+    n_init: int = 32,
+    steps: int = 200,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Seeds for columns hidden next to found ones (B, F * n_init), to be split as faces.
+
+    A sample whose ReLU pattern is close to that of a found column q_f is nearly all zero on the
+    zero rows Z_f of q_f, far sparser there than any other sample. So the ℓ1 search is re-run
+    on L restricted to Z_f, with q_f (invisible there) projected out; all F found columns are
+    solved as one zero-padded batch. The result vanishes on Z_f ∩ Z_j: a point of the face
+    {q_f, q_j}, which :func:`split_face` resolves.
+    """
+    m, B = L.shape
+    F = found.shape[1]
+    if F == 0 or B < 3:
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    zmask = zero_mask(L @ found, zero_rtol)  # (m, F)
+    zmax = int(zmask.sum(dim=0).max())
+    order = torch.argsort((~zmask).to(torch.int8), dim=0, stable=True)[:zmax]  # zero rows first
+    rows_ok = zmask.gather(0, order)  # (zmax, F)
+    Lz = L[order] * rows_ok[..., None]  # (zmax, F, B), padded with zero rows
+    Lz = Lz.permute(1, 0, 2)  # (F, zmax, B)
+    q = found.T / found.norm(dim=0)[:, None]  # (F, B)
+    proj = torch.eye(B, dtype=L.dtype, device=L.device) - q[:, :, None] * q[:, None, :]
+    _, S, Vh = torch.linalg.svd(Lz @ proj, full_matrices=False)  # rank B-1 per problem
+    V = Vh[:, : B - 1].transpose(1, 2)  # (F, B, B-1)
+    Sinv = 1.0 / S[:, : B - 1].clamp_min(torch.finfo(L.dtype).eps)
+    U = Lz @ V * Sinv[:, None, :]  # (F, zmax, B-1) orthonormal columns
+    init = torch.randn(F, n_init, B - 1, generator=generator, dtype=torch.float64)
+    init = (init / init.norm(dim=-1, keepdim=True)).to(device=L.device, dtype=dtype)
+    C = optimise_on_sphere(U.to(dtype), init, steps=steps)  # (F, B-1, K)
+    Qs = V @ (Sinv[:, :, None] * C.to(L.dtype))  # (F, B, K)
+    Qs = Qs.permute(1, 0, 2).reshape(B, F * n_init)
+    return Qs / Qs.norm(dim=0, keepdim=True)

@@ -24,6 +24,8 @@ class LayerSystem:
     """(m, B) W Rᵀ, so that Z = W X + b costs O(m B²) per candidate basis, not O(m n B)."""
     bias: torch.Tensor | None
     zero_rtol: float
+    z_band: float = 0.0
+    """Relative band around Z = 0 within which the sign is rounding error (λ test)."""
 
 
 def make_system(
@@ -33,11 +35,12 @@ def make_system(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     zero_rtol: float,
+    z_band: float = 0.0,
 ) -> LayerSystem:
     """Precompute the reusable products of one layer's decomposition."""
     t = torch.linalg.lstsq(L, bias_grad[:, None]).solution[:, 0]
     WR = weight @ R.T if weight is not None else None
-    return LayerSystem(L=L, R=R, t=t, WR=WR, bias=bias, zero_rtol=zero_rtol)
+    return LayerSystem(L=L, R=R, t=t, WR=WR, bias=bias, zero_rtol=zero_rtol, z_band=z_band)
 
 
 def scales(Q: torch.Tensor, system: LayerSystem) -> torch.Tensor:

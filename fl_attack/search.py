@@ -11,17 +11,17 @@ import torch
 
 
 def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
-    """Σ_j φ(v_j) per row of V (K, m); ``alpha`` is LogCosh's sharpness on unit-RMS entries."""
+    """Σ_j φ(v_j) per row of V (..., K, m); ``alpha`` is LogCosh's sharpness on unit-RMS entries."""
     if loss == "l1":
-        return V.abs().sum(dim=1)
+        return V.abs().sum(dim=-1)
     if loss == "logcosh":
-        scale = V.detach().square().mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+        scale = V.detach().square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-30)
         a = alpha / scale
         # log cosh(x) = |x| + log1p(exp(-2|x|)) - log 2, stable for large |x|
         x = (a * V).abs()
-        return ((x + torch.log1p(torch.exp(-2 * x)) - 0.6931471805599453) / a).sum(dim=1)
+        return ((x + torch.log1p(torch.exp(-2 * x)) - 0.6931471805599453) / a).sum(dim=-1)
     if loss == "l4":
-        return -V.pow(4).sum(dim=1)
+        return -V.pow(4).sum(dim=-1)
     raise ValueError(f"unknown loss {loss!r}; choose 'l1', 'logcosh' or 'l4'")
 
 
@@ -46,12 +46,14 @@ def optimise_on_sphere(
 ) -> torch.Tensor:
     """Minimise φ(L q) over the sphere from each row of ``init`` (K, B); returns (B, K) columns.
 
-    ``L`` (m, B) fixes device and dtype. Riemannian Adam is geoopt's; PGD takes a Euclidean
-    gradient step on the mean loss and renormalises.
+    ``L`` (m, B) fixes device and dtype. A stack of problems (F, m, B) with ``init`` (F, K, B)
+    is solved in one batch and returns (F, B, K); zero padding rows of L do not change φ.
+    Riemannian Adam is geoopt's; PGD takes a Euclidean gradient step on the mean loss and
+    renormalises.
     """
     L = L.detach()
-    Lt = L.T.contiguous()
-    m = L.shape[0]
+    Lt = L.transpose(-1, -2).contiguous()
+    m = L.shape[-2]
     X0 = init.to(device=L.device, dtype=L.dtype)
     marks = sorted({int(f * steps) for f in milestones})
     if optimizer == "radam":
@@ -63,7 +65,7 @@ def optimise_on_sphere(
             sparsity_loss(param @ Lt, loss, alpha).sum().backward()
             opt.step()
             sched.step()
-        return param.detach().T.contiguous()
+        return param.detach().transpose(-1, -2).contiguous()
     if optimizer == "pgd":
         X = X0.clone().requires_grad_(True)
         step = 5.0 if lr is None else lr
@@ -73,6 +75,6 @@ def optimise_on_sphere(
             (grad,) = torch.autograd.grad((sparsity_loss(X @ Lt, loss, alpha) / m).sum(), X)
             with torch.no_grad():
                 X -= step * grad
-                X /= X.norm(dim=1, keepdim=True)
-        return X.detach().T.contiguous()
+                X /= X.norm(dim=-1, keepdim=True)
+        return X.detach().transpose(-1, -2).contiguous()
     raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")

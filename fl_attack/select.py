@@ -49,9 +49,24 @@ def complete_basis(Q: torch.Tensor, B: int) -> torch.Tensor:
     return torch.cat([Q, U[:, k:B]], dim=1)
 
 
-def _matches(Z: torch.Tensor, Dzero: torch.Tensor) -> torch.Tensor:
-    """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0" (the λ₋ and λ₊ terms)."""
-    return (Z <= 0) == Dzero
+def _matches(Z: torch.Tensor, Dzero: torch.Tensor, band: float = 0.0) -> torch.Tensor:
+    """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0" (the λ₋ and λ₊ terms).
+
+    Pre-activations within ``band`` x the column's largest |Z| of zero are within the
+    reconstruction's rounding error, so either pattern counts as a match there.
+    """
+    if band <= 0:
+        return (Z <= 0) == Dzero
+    tol = band * Z.abs().amax(dim=0, keepdim=True)
+    return torch.where(Dzero, Z <= tol, Z > -tol)
+
+
+def _ambiguous(V: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+    """Entries of ∂L/∂Z too small to tell from rounding noise (within 100x of the zero test).
+
+    Real ∂L/∂Y can be that small; such entries count as matching either way in λ.
+    """
+    return zero_mask(V, zero_rtol) & ~zero_mask(V, zero_rtol * 1e-2)
 
 
 @dataclass
@@ -74,8 +89,9 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
     s = P @ system.t
     H = system.WR @ P.T
     Z = H / s + system.bias[:, None]
-    Dzero = zero_mask(system.L @ Q, system.zero_rtol)
-    per_col = _matches(Z, Dzero).sum(dim=0)
+    V = system.L @ Q
+    Dzero = zero_mask(V, system.zero_rtol)
+    per_col = (_matches(Z, Dzero, system.z_band) | _ambiguous(V, system.zero_rtol)).sum(dim=0)
     value = float(per_col.sum()) / (m * Q.shape[1])
     return Match(value=value, per_column=per_col, H=H, s=s, P=P)
 
@@ -101,7 +117,9 @@ def greedy_swaps(
     Q = Q.clone()
     spare = spare.clone()
     spare_zero = zero_mask(L @ spare, system.zero_rtol)  # (m, c)
+    spare_amb = _ambiguous(L @ spare, system.zero_rtol)
     Dzero = zero_mask(L @ Q, system.zero_rtol)
+    Damb = _ambiguous(L @ Q, system.zero_rtol)
     swaps = 0
     r = min(positions, B)
     while swaps < max_swaps and match.value < 1.0:
@@ -124,10 +142,12 @@ def greedy_swaps(
             s_new = match.s[:, None] - ratio * match.s[i][None]  # (B, p)
             H_new = match.H[:, :, None] - Hi[:, None, :] * ratio[None]  # (m, B, p)
             Z_new = H_new / s_new[None] + b[:, None, None]
-            counts = _matches(Z_new, Dzero[:, :, None]).sum(dim=0)  # (B, p)
+            counts = (_matches(Z_new, Dzero[:, :, None], system.z_band)
+                      | Damb[:, :, None]).sum(dim=0)  # (B, p)
             # column i keeps x_i (its Z is unchanged) but its pattern becomes that of the spare
             Zi = match.H[:, i] / match.s[i][None] + b[:, None]
-            counts_i = _matches(Zi, spare_zero[:, u]).sum(dim=0)
+            counts_i = (_matches(Zi, spare_zero[:, u], system.z_band)
+                        | spare_amb[:, u]).sum(dim=0)
             counts.scatter_(0, i[None], counts_i[None])
             total = counts.sum(dim=0).to(torch.float64)
             total[~ok[0]] = -1.0
@@ -140,9 +160,10 @@ def greedy_swaps(
         old = Q[:, i_sel].clone()
         Q[:, i_sel] = spare[:, u_sel]
         spare[:, u_sel] = old
-        swapped = Dzero[:, i_sel].clone()
-        Dzero[:, i_sel] = spare_zero[:, u_sel]
-        spare_zero[:, u_sel] = swapped
+        for cur, spr in ((Dzero, spare_zero), (Damb, spare_amb)):
+            swapped = cur[:, i_sel].clone()
+            cur[:, i_sel] = spr[:, u_sel]
+            spr[:, u_sel] = swapped
         match = sparsity_match(Q, system)
         swaps += 1
     return Q, match, swaps

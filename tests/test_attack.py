@@ -1,0 +1,202 @@
+"""The attack on real data: exact recovery, the certificate's soundness, every loss/optimiser,
+the partial path, SPEAR sampling, and precise errors on bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fl_attack
+from fl_attack import data, metrics, models
+
+
+def _batch(name: str, B: int, m: int, seed: int):
+    x, y = data.sample_batch(name, B, seed=seed)
+    xn = data.normalize(x, name)
+    model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
+    G, g = models.first_layer_gradients(model, xn, y)
+    lin = models.linear_layers(model)[0]
+    return x, G, g, lin.weight.detach(), lin.bias.detach()
+
+
+def _score(rec: fl_attack.Reconstruction, x: torch.Tensor, name: str) -> metrics.MatchedScore:
+    images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), name)
+    return metrics.score_batch(images, x)
+
+
+# Floors are regression guards below the measured rates (experiments/results/core.md), not the
+# issue's 95% target, which is not met yet on the photo crops (many near-identical ReLU patterns).
+@pytest.mark.parametrize(("name", "floor"), [("photos32", 1), ("mnist", 2)])
+def test_spearpp_b20_m200_exact_and_certificate_sound(name: str, floor: int) -> None:
+    """Default settings at B=20, m=200: certified batches are pixel-exact (> 90 dB for every
+    sample), never a false certificate. Seeds 0-3 are the first four, not hand-picked."""
+    certified = 0
+    for seed in range(4):
+        x, G, g, W, b = _batch(name, 20, 200, seed)
+        rec = fl_attack.invert(G, g, weight=W, bias=b, seed=seed)
+        assert rec.batch_size == 20
+        assert rec.inputs.shape == (20, x[0].numel())
+        score = _score(rec, x, name)
+        if rec.exact:
+            certified += 1
+            assert rec.sparsity_match == 1.0
+            assert float(score.psnr.min()) > 90.0, f"certified but not exact (seed {seed})"
+        else:
+            assert rec.sparsity_match < 1.0
+    assert certified >= floor, f"only {certified}/4 batches certified exact"
+
+
+def test_exact_batch_numpy_inputs_and_float64() -> None:
+    x, y = data.sample_batch("mnist", 16, seed=2)
+    model = models.relu_mlp(784, 200, 3, seed=2).double()
+    G, g = models.layer_gradients(model, data.normalize(x, "mnist").double(), y,
+                                  dtype=torch.float64)
+    lin = models.linear_layers(model)[0]
+    W, b = lin.weight.detach(), lin.bias.detach()
+    rec = fl_attack.invert(G.numpy(), g.numpy(), weight=W.numpy(), bias=b.numpy(), seed=0)
+    assert rec.exact and rec.n_directions == 16 and not rec.partial
+    assert float(_score(rec, x, "mnist").psnr.min()) > 90.0
+    summary = rec.as_dict()
+    assert summary["exact"] is True and summary["batch_size"] == 16
+
+
+def test_without_weight_and_bias_no_certificate() -> None:
+    x, G, g, _, _ = _batch("photos32", 10, 200, 1)
+    rec = fl_attack.invert(G, g, seed=0)
+    assert rec.sparsity_match is None and rec.exact is False
+    assert float(_score(rec, x, "photos32").mean_psnr) > 90.0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss": "l1", "optimizer": "pgd"},
+        {"loss": "logcosh", "optimizer": "radam"},
+        {"loss": "logcosh", "optimizer": "pgd"},
+        {"loss": "l1", "optimizer": "radam", "polish": False, "steps": 500,
+         "search_dtype": "float64"},
+    ],
+)
+def test_every_loss_and_optimizer_recovers_a_small_batch(options: dict) -> None:
+    """Each loss and optimiser runs on real data; at B=8 each recovers the batch exactly."""
+    x, G, g, W, b = _batch("photos32", 8, 200, 3)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, **options)
+    score = _score(rec, x, "photos32")
+    assert rec.exact, (options, rec.as_dict())
+    if options.get("polish", True):
+        assert float(score.psnr.min()) > 90.0
+    else:  # subgradient ℓ1 alone recovers every ReLU pattern but not float precision
+        assert float(score.psnr.min()) > 75.0
+
+
+def test_l4_runs_and_is_weaker() -> None:
+    """−ℓ4 (SPEC §4: worse than SPEAR in the paper) runs batched and returns a valid result;
+    whatever it certifies is exact."""
+    x, G, g, W, b = _batch("photos32", 8, 200, 3)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, loss="l4", max_rounds=1)
+    assert rec.inputs.shape == (8, 3072) and torch.isfinite(rec.inputs).all()
+    if rec.exact:
+        assert float(_score(rec, x, "photos32").psnr.min()) > 90.0
+
+
+def test_spear_sampling_exact_b10() -> None:
+    x, G, g, W, b = _batch("photos32", 10, 200, 1)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, method="spear", seed=0)
+    assert rec.method == "spear" and rec.exact
+    assert float(_score(rec, x, "photos32").psnr.min()) > 90.0
+
+
+def test_partial_reconstruction_when_search_is_starved() -> None:
+    """Too few initialisations: fewer than B directions, the basis is completed, nothing
+    is certified, and the shape is still (B, n)."""
+    x, G, g, W, b = _batch("photos32", 20, 200, 0)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, n_init=2, max_rounds=1, steps=50)
+    assert rec.partial and rec.n_directions < 20
+    assert rec.inputs.shape == (20, 3072) and torch.isfinite(rec.inputs).all()
+    assert not rec.exact
+
+
+def test_explicit_batch_size_and_timings() -> None:
+    x, G, g, W, b = _batch("mnist", 12, 200, 4)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, batch_size=12, seed=0)
+    assert rec.batch_size == 12 and rec.seconds > 0 and "search" in rec.timings
+
+
+# ---------------------------------------------------------------- bad input ------------------
+@pytest.fixture(scope="module")
+def layer():
+    _, G, g, W, b = _batch("photos32", 6, 100, 0)
+    return G, g, W, b
+
+
+def test_non_finite_gradient(layer) -> None:
+    G, g, W, b = layer
+    G = G.clone()
+    G[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight_grad contains 1 non-finite"):
+        fl_attack.invert(G, g)
+    g2 = g.clone()
+    g2[3] = float("inf")
+    with pytest.raises(ValueError, match="bias_grad contains"):
+        fl_attack.invert(layer[0], g2)
+
+
+def test_shapes(layer) -> None:
+    G, g, W, b = layer
+    with pytest.raises(ValueError, match="weight_grad must be a .m, n. matrix"):
+        fl_attack.invert(G.reshape(-1), g)
+    with pytest.raises(ValueError, match="bias_grad has shape"):
+        fl_attack.invert(G, g[:-1])
+    with pytest.raises(ValueError, match="weight has shape"):
+        fl_attack.invert(G, g, weight=W.T, bias=b)
+    with pytest.raises(ValueError, match="both weight and bias"):
+        fl_attack.invert(G, g, weight=W)
+    with pytest.raises(TypeError, match="torch.Tensor or numpy.ndarray"):
+        fl_attack.invert(G.tolist(), g)
+
+
+def test_zero_gradients(layer) -> None:
+    G, g, W, b = layer
+    with pytest.raises(ValueError, match="weight_grad is identically zero"):
+        fl_attack.invert(torch.zeros_like(G), g)
+    with pytest.raises(ValueError, match="bias_grad is identically zero"):
+        fl_attack.invert(G, torch.zeros_like(g))
+
+
+def test_full_rank_gradient_not_identifiable() -> None:
+    """A batch not smaller than the layer: rank min(m, n), so the batch cannot be recovered."""
+    x, y = data.sample_batch("photos32", 40, seed=0)
+    model = models.relu_mlp(3072, 30, 3, seed=0)
+    G, g = models.first_layer_gradients(model, data.normalize(x, "photos32"), y)
+    with pytest.raises(ValueError, match="full numerical rank"):
+        fl_attack.invert(G, g)
+    with pytest.raises(ValueError, match="not smaller than min"):
+        fl_attack.invert(G, g, batch_size=30)
+
+
+def test_unknown_options(layer) -> None:
+    G, g, W, b = layer
+    with pytest.raises(TypeError, match="unknown attack option"):
+        fl_attack.invert(G, g, n_inits=10)
+    with pytest.raises(ValueError, match="unknown method"):
+        fl_attack.invert(G, g, method="spear+")
+    with pytest.raises(ValueError, match="unknown loss"):
+        fl_attack.invert(G, g, loss="l2")
+    with pytest.raises(ValueError, match="unknown device"):
+        fl_attack.invert(G, g, device="tpu:0")
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        fl_attack.AttackConfig(steps=0)
+
+
+def test_tau_binomial_tail() -> None:
+    """SPEC §3: m = 400 and p_fr < 1e-5 give τ ≈ 0.395."""
+    from scipy.stats import binom
+
+    from fl_attack.filtering import min_zero_count
+
+    k = min_zero_count(400, 1e-5)
+    assert binom.cdf(k - 1, 400, 0.5) < 1e-5 <= binom.cdf(k, 400, 0.5)
+    assert abs((k - 1) / 400 - 0.395) < 0.01
+    assert np.isclose(binom.cdf(k - 1, 400, 0.5), 2.0**-400 * sum(
+        __import__("math").comb(400, i) for i in range(k)))
