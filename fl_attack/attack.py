@@ -186,7 +186,8 @@ class _Search:
         self.n_candidates = self.pool.shape[1]
 
     def _select(self) -> tuple[torch.Tensor, int, torch.Tensor]:
-        idx, count = select.stage1(self.pool, self.B)
+        # directions closer than this to the span of chosen ones are the same up to noise
+        idx, count = select.stage1(self.pool, self.B, tol=max(1e-8, 10 * self.system.zero_rtol))
         Q = select.complete_basis(self.pool[:, idx], self.B)
         rest = torch.ones(self.pool.shape[1], dtype=torch.bool, device=self.pool.device)
         rest[idx] = False
@@ -200,8 +201,12 @@ class _Search:
         init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
                                     device=self.device)
         t0 = time.perf_counter()
+        optimizer = cfg.optimizer
+        if cfg.alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
+            optimizer = "pgd" if optimizer == "radam" else "radam"
+        lr = cfg.lr if optimizer == cfg.optimizer else None
         Qopt = search.optimise_on_sphere(
-            L, init, loss=cfg.loss, optimizer=cfg.optimizer, steps=cfg.steps, lr=cfg.lr,
+            L, init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
             milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
         )
         self._tick("search", t0)
@@ -212,9 +217,12 @@ class _Search:
                                                      zero_rtol=self.system.zero_rtol)
             self._add(Qp, zeros, lev)
             faces = torch.nonzero(face_dim > 1).squeeze(1)
+            vertices = torch.nonzero((face_dim == 1) & (zeros >= self.min_zeros)
+                                     & (lev >= cfg.max_leverage)).squeeze(1)
             self._tick("polish", t0)
             t0 = time.perf_counter()
             self._split_faces(Qopt.double()[:, faces], n_rows)
+            self._split_faces(Qp[:, vertices], n_rows, vertex=True)
             self._tick("faces", t0)
             return
         else:
@@ -246,7 +254,7 @@ class _Search:
         m = self.dec.L.shape[0]
         return min(max(int(0.75 * self.min_zeros), self.B + 2), m - 1)
 
-    def _split_faces(self, Q: torch.Tensor, n_rows: int) -> None:
+    def _split_faces(self, Q: torch.Tensor, n_rows: int, vertex: bool = False) -> None:
         """Split each new face (kernel of dimension > 1) into its sparsest directions."""
         L, rtol = self.dec.L, self.system.zero_rtol
         found, counts = [], []
@@ -254,7 +262,10 @@ class _Search:
         for j in range(Q.shape[1]):
             if budget <= 0 or self._out_of_time():
                 break
-            N = refine.face_basis(L, Q[:, j], n_rows, rtol)
+            if vertex:
+                N = refine.vertex_face_basis(L, Q[:, j], rtol, self.cfg.max_leverage)
+            else:
+                N = refine.face_basis(L, Q[:, j], n_rows, rtol)
             if N.shape[1] < 2 or N.shape[1] > self.cfg.max_face_dim:
                 continue
             shared = (L @ N).norm(dim=1)
@@ -305,6 +316,17 @@ class _Search:
                 self._split_faces(seeds, self._n_rows())
                 self._tick("neighbours", t0)
         assert Q is not None
+        missing = self.B - count
+        if missing in (1, 2) and self.system.WR is not None and self.cfg.polish:
+            t0 = time.perf_counter()
+            complete = refine.complete_one_missing if missing == 1 else refine.complete_two_missing
+            Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias,
+                          Q[:, :count], zero_rtol=self.system.zero_rtol)
+            if Qc.shape[1]:
+                Qp, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
+                                                  zero_rtol=self.system.zero_rtol)
+                self._add(Qp, zeros, lev)
+            self._tick("complete", t0)
         t0 = time.perf_counter()
         Q, count, spare = self._select()
         if self.cfg.greedy and self.system.WR is not None:

@@ -46,6 +46,8 @@ class AttackConfig:
     lr_milestones: tuple[float, ...] = (0.4, 0.8)
     """Fractions of ``steps`` at which the learning rate is multiplied by ``lr_gamma``."""
     lr_gamma: float = 0.1
+    alternate: bool = True
+    """Use the other optimiser every second round (RAdam and PGD stall at different minima)."""
     logcosh_alpha: float = 20.0
     """Sharpness α of LogCosh, applied to entries scaled to unit RMS (lost in the paper; tuned)."""
     max_rounds: int = 4

@@ -58,6 +58,29 @@ def split_face(
     return Q / Q.norm(dim=0, keepdim=True), zeros[uniq]
 
 
+def vertex_face_basis(
+    L: torch.Tensor, q: torch.Tensor, zero_rtol: float, max_leverage: float = 0.99
+) -> torch.Tensor:
+    """The face a vertex sits in: the kernel of L on its zero rows minus the coincidental ones.
+
+    A vertex of a face owes k-1 of its zeros to cancellations; those rows have leverage 1, and
+    dropping them leaves the rows the face's samples share, whose kernel is the face.
+    """
+    v = L @ q
+    Z = zero_mask(v[:, None], zero_rtol)[:, 0]
+    Lz = L[Z]
+    gram = Lz.T @ Lz + q[:, None] * q[None, :]
+    sol, info = torch.linalg.solve_ex(gram, Lz.T)
+    if int(info) != 0:
+        return q[:, None]
+    lev = (sol * Lz.T).sum(dim=0)
+    Ls = Lz[lev < max_leverage]
+    vals, vecs = torch.linalg.eigh(Ls.T @ Ls)
+    tol = Ls.shape[0] * zero_rtol**2 / L.shape[0]
+    k = max(int((vals <= tol).sum()), 1)
+    return vecs[:, :k]
+
+
 def face_basis(
     L: torch.Tensor, q: torch.Tensor, n_rows: int, zero_rtol: float
 ) -> torch.Tensor:
@@ -111,3 +134,96 @@ def conditional_directions(
     Qs = V @ (Sinv[:, :, None] * C.to(L.dtype))  # (F, B, K)
     Qs = Qs.permute(1, 0, 2).reshape(B, F * n_init)
     return Qs / Qs.norm(dim=0, keepdim=True)
+
+
+def complete_one_missing(
+    L: torch.Tensor,
+    R: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    found: torch.Tensor,
+    *,
+    zero_rtol: float,
+) -> torch.Tensor:
+    """Candidates for the last column when B-1 independent columns are known (B, c).
+
+    The missing sample's input is fixed up to one scalar by the found columns alone: its row of
+    Q⁻¹ is orthogonal to all of them, so x = c·u with u = p R. Its pre-activations c·W u + b
+    then change ReLU pattern only at m breakpoints in c. In each of the m+1 cells the pattern
+    gives the zero rows of the missing column, whose kernel (when one exists) is the column:
+    an exact, search-free completion using the weights the server already knows.
+    """
+    B = L.shape[1]
+    U, _, _ = torch.linalg.svd(found, full_matrices=True)
+    p = U[:, -1]
+    a = weight @ (R.T @ p)  # (m,) pre-activation slope in c
+    safe = torch.where(a.abs() > 0, a, torch.full_like(a, torch.finfo(a.dtype).tiny))
+    breaks = torch.sort(-bias / safe).values
+    gaps = breaks[1:] - breaks[:-1]
+    span = (breaks[-1] - breaks[0]).abs().clamp_min(1.0)
+    cs = torch.cat([breaks[:1] - span, 0.5 * (breaks[1:] + breaks[:-1]), breaks[-1:] + span])
+    cs = cs[torch.cat([torch.ones(1, dtype=torch.bool, device=cs.device), gaps > 0,
+                       torch.ones(1, dtype=torch.bool, device=cs.device)])]
+    Z = cs[None, :] * a[:, None] + bias[:, None]  # (m, cells)
+    mask = Z <= 0
+    enough = mask.sum(dim=0) >= B - 1
+    mask = mask[:, enough]
+    if mask.shape[1] == 0:
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    from fl_attack.polish import masked_gram_eigh
+
+    vals, vecs = masked_gram_eigh(L, mask)
+    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / L.shape[0]
+    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
+    return vecs[hit, :, 0].T.contiguous()
+
+
+def complete_two_missing(
+    L: torch.Tensor,
+    R: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    found: torch.Tensor,
+    *,
+    zero_rtol: float,
+    max_vertices: int = 40000,
+) -> torch.Tensor:
+    """Candidates for the last two columns when B-2 independent columns are known (B, c).
+
+    As :func:`complete_one_missing`, but each missing input lies in a 2-D span, so its ReLU
+    pattern is a cell of an arrangement of m lines. Every bounded cell touches a vertex (the
+    crossing of lines j and k); the four cells around a vertex share all signs but those of
+    rows j and k. Enumerating vertices (O(m²), only for moderate m) visits every such cell.
+    """
+    m, B = L.shape
+    U, _, _ = torch.linalg.svd(found, full_matrices=True)
+    A = weight @ (R.T @ U[:, -2:])  # (m, 2)
+    j, k = torch.triu_indices(m, m, offset=1, device=L.device)
+    if j.numel() > max_vertices:
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    M = torch.stack([A[j], A[k]], dim=1)  # (P, 2, 2)
+    rhs = -torch.stack([bias[j], bias[k]], dim=1)[..., None]
+    v, info = torch.linalg.solve_ex(M, rhs)
+    good = info == 0
+    v, j, k = v[good, :, 0], j[good], k[good]
+    Z = A @ v.T + bias[:, None]  # (m, P)
+    base = Z <= 0
+    masks = []
+    for sj in (False, True):
+        for sk in (False, True):
+            msk = base.clone()
+            cols = torch.arange(msk.shape[1], device=L.device)
+            msk[j, cols] = sj
+            msk[k, cols] = sk
+            masks.append(msk)
+    mask = torch.cat(masks, dim=1)
+    mask = mask[:, mask.sum(dim=0) >= B - 1]
+    mask = torch.unique(mask, dim=1)
+    if mask.shape[1] == 0:
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    from fl_attack.polish import masked_gram_eigh
+
+    vals, vecs = masked_gram_eigh(L, mask)
+    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / m
+    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
+    return vecs[hit, :, 0].T.contiguous()

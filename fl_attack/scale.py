@@ -24,6 +24,7 @@ class LayerSystem:
     """(m, B) W Rᵀ, so that Z = W X + b costs O(m B²) per candidate basis, not O(m n B)."""
     bias: torch.Tensor | None
     zero_rtol: float
+    weight: torch.Tensor | None = None
     z_band: float = 0.0
     """Relative band around Z = 0 within which the sign is rounding error (λ test)."""
 
@@ -40,7 +41,8 @@ def make_system(
     """Precompute the reusable products of one layer's decomposition."""
     t = torch.linalg.lstsq(L, bias_grad[:, None]).solution[:, 0]
     WR = weight @ R.T if weight is not None else None
-    return LayerSystem(L=L, R=R, t=t, WR=WR, bias=bias, zero_rtol=zero_rtol, z_band=z_band)
+    return LayerSystem(L=L, R=R, t=t, WR=WR, bias=bias, zero_rtol=zero_rtol, z_band=z_band,
+                       weight=weight)
 
 
 def scales(Q: torch.Tensor, system: LayerSystem) -> torch.Tensor:
