@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,29 +283,53 @@ class _Search:
             Qp, zeros, _, lev = polish.polish(L, Qc, n_rows=n_rows_c, zero_rtol=rtol)
             self._add(Qp, zeros, lev)
 
+    def _complete(self, Q: torch.Tensor, count: int) -> bool:
+        """Try the exact completion of 1-2 missing columns (SPEAR++ only needs W and b)."""
+        missing = self.B - count
+        if missing not in (1, 2) or self.system.WR is None or not self.cfg.polish:
+            return False
+        if (missing, count) in self.completed:
+            return False
+        self.completed.add((missing, count))
+        t0 = time.perf_counter()
+        complete = refine.complete_one_missing if missing == 1 else refine.complete_two_missing
+        Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias,
+                      Q[:, :count], zero_rtol=self.system.zero_rtol)
+        if Qc.shape[1]:
+            Qp, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
+                                              zero_rtol=self.system.zero_rtol)
+            self._add(Qp, zeros, lev)
+        self._tick("complete", t0)
+        return bool(Qc.shape[1])
+
+    def _done(self) -> tuple[torch.Tensor, int, bool]:
+        """Select and check whether the selection is complete and certified enough."""
+        t0 = time.perf_counter()
+        Q, count, _ = self._select()
+        self.match = select.sparsity_match(Q, self.system) if count == self.B else None
+        self._tick("select", t0)
+        done = count == self.B and (self.match is None or self.match.value >= self.lambda_stop)
+        return Q, count, done
+
     def find(self) -> tuple[torch.Tensor, int]:
         """Search until B directions with λ ≥ the stop level, the round cap or the time budget."""
-        Q, count = None, 0
         spear = self.cfg.method == "spear"
         max_rounds = self.cfg.max_rounds if not spear else 1 << 62
+        self.completed: set[tuple[int, int]] = set()
         for _ in range(max_rounds):
             self.rounds += 1
             if spear:
                 self._round_spear()
             else:
                 self._round_spearpp()
-            t0 = time.perf_counter()
-            Q, count, _ = self._select()
-            if count == self.B:
-                self.match = select.sparsity_match(Q, self.system)
-            self._tick("select", t0)
+            Q, count, done = self._done()
+            if not done and self._complete(Q, count):
+                Q, count, done = self._done()
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"
                 print(f"[fl_attack] round {self.rounds}: {self.n_candidates} candidates, "
                       f"{count}/{self.B} directions, λ={lam}", flush=True)
-            if count == self.B and (self.match is None or self.match.value >= self.lambda_stop):
-                break
-            if self._out_of_time() or (spear and self.samples >= self.cfg.max_samples):
+            if done or self._out_of_time() or (spear and self.samples >= self.cfg.max_samples):
                 break
             if not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates:
                 t0 = time.perf_counter()
@@ -315,18 +338,6 @@ class _Search:
                     generator=self.generator)
                 self._split_faces(seeds, self._n_rows())
                 self._tick("neighbours", t0)
-        assert Q is not None
-        missing = self.B - count
-        if missing in (1, 2) and self.system.WR is not None and self.cfg.polish:
-            t0 = time.perf_counter()
-            complete = refine.complete_one_missing if missing == 1 else refine.complete_two_missing
-            Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias,
-                          Q[:, :count], zero_rtol=self.system.zero_rtol)
-            if Qc.shape[1]:
-                Qp, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
-                                                  zero_rtol=self.system.zero_rtol)
-                self._add(Qp, zeros, lev)
-            self._tick("complete", t0)
         t0 = time.perf_counter()
         Q, count, spare = self._select()
         if self.cfg.greedy and self.system.WR is not None:
@@ -337,8 +348,43 @@ class _Search:
         else:
             self.match = select.sparsity_match(Q, self.system)
         self._tick("select", t0)
+        if count == self.B and self.match is not None and self.match.value < 1.0:
+            Q = self._repair(Q)
         return Q, count
 
+    def _repair(self, Q: torch.Tensor) -> torch.Tensor:
+        """Replace the 1-2 columns whose patterns mismatch by the exact completion.
 
-def _unused() -> float:  # pragma: no cover - keeps math imported for future noise rules
-    return math.pi
+        Mixing up two samples of a face corrupts only those two reconstructions (every other
+        row of Q⁻¹ is orthogonal to their span), so the mismatching columns are the wrong ones.
+        """
+        assert self.match is not None
+        m = self.dec.L.shape[0]
+        bad = torch.nonzero(self.match.per_column < m).squeeze(1)
+        if bad.numel() not in (1, 2) or not self.cfg.polish:
+            return Q
+        t0 = time.perf_counter()
+        good = torch.ones(self.B, dtype=torch.bool, device=Q.device)
+        good[bad] = False
+        complete = refine.complete_one_missing if bad.numel() == 1 else refine.complete_two_missing
+        Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, good],
+                      zero_rtol=self.system.zero_rtol)
+        best_Q, best = Q, self.match
+        if Qc.shape[1]:
+            Qc, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
+                                              zero_rtol=self.system.zero_rtol)
+            Qc = Qc[:, (zeros >= self.min_zeros) & (lev < self.cfg.max_leverage)]
+            Qc = Qc[:, filtering.dedupe(Qc, self.cfg.dedupe_tol)][:, :64]
+            r = bad.numel()
+            combos = (torch.arange(Qc.shape[1])[:, None] if r == 1
+                      else torch.combinations(torch.arange(Qc.shape[1]), 2))
+            for combo in combos.tolist():
+                trial = torch.cat([Q[:, good], Qc[:, combo]], dim=1)
+                if torch.linalg.matrix_rank(trial) < self.B:
+                    continue
+                match = select.sparsity_match(trial, self.system)
+                if match is not None and match.value > best.value:
+                    best_Q, best = trial, match
+        self.match = best
+        self._tick("repair", t0)
+        return best_Q

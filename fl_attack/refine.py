@@ -44,7 +44,10 @@ def split_face(
         return empty, torch.empty(0, dtype=torch.long, device=L.device)
     total = math.comb(n_free, k - 1)
     S = int(min(max_samples, total, per_column * k * max(1, 2 ** (k - 1)) * 8))
-    rows = random_row_subsets(n_free, k - 1, S, generator=generator).to(L.device)
+    if total <= max_samples:  # small faces: enumerate every subset exactly once
+        rows = torch.combinations(torch.arange(n_free, device=L.device), k - 1)
+    else:
+        rows = random_row_subsets(n_free, k - 1, S, generator=generator).to(L.device)
     C, ok = submatrix_kernels(A[free], rows)
     C = C[:, ok]
     V = A @ C  # (m, S)
