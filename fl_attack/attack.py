@@ -110,7 +110,12 @@ def invert(
     z_band = 1e-5 if precision == torch.float32 else 1e-10
     system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band)
     run = _Search(cfg, dec, system, generator, dev, timings, start)
-    Q, n_found = run.find()
+    if dec.batch_size == 1:  # one sample: G = d xᵀ, nothing to disentangle
+        Q = torch.ones(1, 1, dtype=torch.float64, device=dev)
+        n_found = 1
+        run.match = select.sparsity_match(Q, system)
+    else:
+        Q, n_found = run.find()
 
     t0 = time.perf_counter()
     X, s = reconstruct(Q, system)
@@ -138,10 +143,20 @@ def invert(
     )
 
 
+def _noise_ratio(dec: Decomposition) -> float:
+    """Estimated noise edge over the smallest signal singular value (≈ relative error of L)."""
+    sigma_b = float(dec.singular_values[dec.batch_size - 1])
+    return dec.noise_edge / sigma_b if sigma_b > 0 else float("inf")
+
+
 def _default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
-    """Numerical-zero tolerance for entries of L q, relative to the column's largest entry."""
+    """Numerical-zero tolerance for entries of L q, relative to the column's largest entry.
+
+    The floor comes from the float precision; under noise (DP-SGD, float32 weight updates) the
+    entries of a true zero row scatter like the perturbation of L, about noise edge / σ_B.
+    """
     base = 1e-9 if precision == torch.float64 else 1e-4
-    return base
+    return min(max(base, 0.12 * _noise_ratio(dec)), 0.1)
 
 
 class _Search:
@@ -159,7 +174,8 @@ class _Search:
         self.pool_zeros = torch.empty(0, dtype=torch.long, device=device)
         self.match: select.Match | None = None
         self.rounds = self.swaps = self.n_candidates = 0
-        self.lambda_stop = cfg.lambda_stop or 1.0
+        noisy = _noise_ratio(dec) > 1e-3
+        self.lambda_stop = cfg.lambda_stop or (0.98 if noisy else 1.0)
         self.faces_seen: set[bytes] = set()
         self.samples = 0
 

@@ -32,21 +32,24 @@ def estimate_rank(
 ) -> tuple[int, float, float]:
     """Numerical rank of an m x n matrix from all its singular values ``s`` (descending).
 
-    A clean spectrum (a gap of 100x or more down to rounding level, or no flat noise bulk at
-    the bottom) gives the count above the rounding floor. Otherwise the noise is estimated by
-    iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
+    A clean spectrum (a first drop of 1000x or more, down to rounding level, or no flat noise
+    bulk at the bottom) gives the count above that drop / the rounding floor. Otherwise the
+    noise is estimated by iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
     Returns (rank, ν, noise edge).
     """
     s = s.double()
     energy = s.square()
     total = float(energy.sum())
     floor = float(s[0]) * floor_rtol
-    r = int((s > floor).sum())
-    if r < s.numel():
-        clean = r == 0 or float(s[r - 1]) > 100 * float(s[r])
+    ratio = s[:-1] / s[1:].clamp_min(float(s[0]) * 1e-300)
+    cliff = torch.nonzero((ratio > 1e3) & (s[:-1] > floor)).squeeze(1)
+    if cliff.numel():  # the first drop of three orders of magnitude ends the signal
+        r = int(cliff[0]) + 1
+        clean = True
     else:
-        bottom = s[-max(2, s.numel() // 4):]
-        clean = float(bottom.min()) < 0.5 * float(bottom.max())  # no flat noise bulk
+        r = int((s > floor).sum())
+        bottom = s[r // 2:r] if r >= 4 else s[:r]
+        clean = r < s.numel() or float(bottom.min()) < 0.5 * float(bottom.max())
     if clean:
         dof = max((m - r) * (n - r), 1)
         nu = math.sqrt(float(energy[r:].sum()) / dof)
