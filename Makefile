@@ -31,3 +31,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Flower deployment as local processes (SuperLink + 2 SuperNodes + `flwr run`), end to end.
+deploy-local: $(STAMP)
+	VENV=$(VENV) scripts/deploy_local.sh
+
+.PHONY: bench-flower
+# Round wall time with/without the audit (3 and 10 clients) -> experiments/results/flower.md
+bench-flower: $(STAMP)
+	$(PY) -m experiments.bench_flower

@@ -65,29 +65,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    rows = []
+    cpu = platform.processor() or platform.machine()
+    header = (f"\n## {dt.date.today().isoformat()} — {platform.node()}, {cpu}, "
+              f"device {device}, dataset {args.dataset}, max_seconds {args.max_seconds}\n\n"
+              "| B | m | batches | acc % (>90 dB) | certified % (λ=1) | mean PSNR | median s/batch | "
+              "peak RSS MiB (process) | paper acc % / PSNR |\n|---|---|---|---|---|---|---|---|---|\n")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as fh:
+        if fh.tell() == 0:
+            fh.write("# SPEAR++ core benchmark (issue #2)\n\nReal CIFAR-shaped photo crops, "
+                     "3-hidden-layer ReLU MLP of width m, FedSGD, first layer, default "
+                     "`fl_attack.invert` settings. Produced by `python -m experiments.bench_core`.\n")
+        fh.write(header)
     for item in args.settings.split(","):
         B, m = (int(v) for v in item.split("x"))
         res = run_setting(B, m, args.batches, args.dataset, args.max_seconds)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         paper = PAPER.get((B, m), (float("nan"), float("nan")))
-        rows.append(f"| {B} | {m} | {res['batches']} | {res['acc']:.0f} | "
-                    f"{res['certified']:.0f} | {res['psnr']:.1f} | {res['median_s']:.2f} | {peak:.0f} | "
-                    f"{paper[1]} / {paper[0]} |")
-        print(rows[-1], flush=True)
-    cpu = platform.processor() or platform.machine()
-    header = (f"\n## {dt.date.today().isoformat()} — {platform.node()}, {cpu}, "
-              f"device {device}, dataset {args.dataset}\n\n"
-              "| B | m | batches | acc % (>90 dB) | certified % (λ=1) | mean PSNR | median s/batch | "
-              "peak RSS MiB (process) | paper acc % / PSNR |\n|---|---|---|---|---|---|---|---|---|\n")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    new = not RESULTS.exists()
-    with RESULTS.open("a") as fh:
-        if new:
-            fh.write("# SPEAR++ core benchmark (issue #2)\n\nReal CIFAR-shaped photo crops, "
-                     "3-hidden-layer ReLU MLP of width m, FedSGD, first layer, default "
-                     "`fl_attack.invert` settings. Produced by `python -m experiments.bench_core`.\n")
-        fh.write(header + "\n".join(rows) + "\n")
+        row = (f"| {B} | {m} | {res['batches']} | {res['acc']:.0f} | {res['certified']:.0f} | "
+               f"{res['psnr']:.1f} | {res['median_s']:.2f} | {peak:.0f} | {paper[1]} / {paper[0]} |")
+        print(row, flush=True)
+        with RESULTS.open("a") as fh:  # one row at a time: a long run keeps what it finished
+            fh.write(row + "\n")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """``make demo``: a small audited federation on real data, then its summary and report path.
 
-Three clients train a ReLU MLP (width 200) on real MNIST digits with FedSGD for two rounds,
-batch size 16; the server wraps FedAvg in the privacy audit, inverts every update (SPEAR++) and
-scores the reconstructions against the clients' true batches (audit mode). It runs on Flower's
+Three clients train a ReLU MLP (3 hidden layers of width 200) on real photographs cut into
+CIFAR-10-shaped 32x32 crops (``photos32``, offline) with FedSGD for two rounds, batch size 16;
+the server wraps FedAvg in the privacy audit, inverts every update (SPEAR++) and scores the
+reconstructions against the clients' true batches (audit mode). It runs on Flower's
 simulation engine (Ray) in-process via ``flwr.simulation.run_simulation``: no SuperLink, no
 ports, nothing left running afterwards, and it works offline. ``run_simulation`` passes an empty
 run config, so the configuration travels in ``$FL_ATTACK_RUN_CONFIG`` (see
 ``strategies/server_app.py``).
 
     .venv/bin/python -m experiments.demo                      # the default demo
-    .venv/bin/python -m experiments.demo --set dataset=photos32 --set protocol=dpsgd
+    .venv/bin/python -m experiments.demo --set dataset=mnist --set protocol=fedavg
     .venv/bin/python -m experiments.demo --json               # machine-readable summary only
 
 Exit status: 0 when the run completed and wrote its summary, 1 otherwise.
@@ -32,7 +33,7 @@ DEMO_CONFIG: dict[str, Any] = {
     "num-server-rounds": 2,
     "num-clients": 3,
     "protocol": "fedsgd",
-    "dataset": "mnist",
+    "dataset": "photos32",
     "dataset-size": 1000,
     "batch-size": 16,
     "width": 200,

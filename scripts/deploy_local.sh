@@ -23,10 +23,12 @@
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$ROOT/.venv}"
+VENV="$(cd "${VENV:-$ROOT/.venv}" && pwd)"  # absolute: PATH and the children need it
 BIN="$VENV/bin"
 NUM_NODES="${NUM_NODES:-2}"
 OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/runs}"
+mkdir -p -m 700 "$OUTPUT_DIR"
+OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"  # absolute: the ServerApp runs elsewhere
 TIMEOUT="${TIMEOUT:-900}"
 RUN_NAME="deploy-$(date -u +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')"
 

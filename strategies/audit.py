@@ -30,6 +30,12 @@ The attack runs inside ``aggregate_train``, after all replies arrived: Flower's 
 per client by ``max_seconds`` (soft budget inside the attack) and ``timeout`` (hard, kills the
 worker process).
 
+Round metrics merged into the wrapped strategy's MetricRecord: ``audit-replies``,
+``audit-reconstructions``, ``audit-certified-exact`` (λ = 1), ``audit-lambda-mean``,
+``audit-psnr-mean`` (audit mode only), ``audit-failures`` (attack error / timeout / no update),
+``audit-corrupt``, ``audit-client-errors``, ``audit-attack-seconds`` (sum over the clients'
+attacks) and ``audit-seconds`` (the whole audit: attacks, scoring, storage).
+
 Audit-only side channel: in audit mode clients add ``sample-indices`` to the ``client-info``
 ConfigRecord of their reply; the wrapper strips it before the wrapped strategy sees the reply.
 """
@@ -419,6 +425,7 @@ class AuditingStrategy(Strategy):
         self.enabled = enabled
         self.records: list[ClientAudit] = []
         self.round_stats: dict[int, dict[str, float]] = {}
+        self._round_started: dict[int, float] = {}
         self._current_arrays: ArrayRecord | None = None
         self._sent: dict[int, ArrayRecord] = {}
         self._worker = (AttackWorker(self.attack.startup_timeout)
@@ -448,6 +455,7 @@ class AuditingStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Delegate, remembering which arrays each node is sent (the attack's ``W0``)."""
+        self._round_started[server_round] = time.perf_counter()
         self._current_arrays = arrays
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         self._sent = {}
@@ -482,8 +490,10 @@ class AuditingStrategy(Strategy):
         """Attack every reply, withhold corrupt ones, then let the wrapped strategy aggregate."""
         replies = list(replies)
         if not self.enabled:
-            return self.strategy.aggregate_train(server_round, replies)
-        t_round = time.perf_counter()
+            arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+            self._finish_round(server_round, {}, 0.0, metrics)
+            return arrays, metrics
+        t_audit = time.perf_counter()
         keep: list[Message] = []
         round_records: list[ClientAudit] = []
         for i, reply in enumerate(replies, start=1):
@@ -501,23 +511,33 @@ class AuditingStrategy(Strategy):
                     self.store.add(record)
                 except OSError as exc:  # storage trouble must not stop training
                     log(WARNING, "[audit] could not store %s: %s", record.client_label, exc)
-        audit_seconds = time.perf_counter() - t_round
+        audit_seconds = time.perf_counter() - t_audit
 
         arrays, metrics = self.strategy.aggregate_train(server_round, keep)
         stats = self._round_metrics(round_records, audit_seconds)
-        self.round_stats[server_round] = stats
         merged = MetricRecord(dict(metrics) if metrics is not None else {})
         for key, value in stats.items():
             merged[key] = value
-        if self.store is not None:
-            self.store.add_round(server_round, {"audit_seconds": audit_seconds,
-                                                "aggregated": dict(merged)})
-        log(INFO, "[audit] round %d: %d/%d reconstructed, %d certified exact%s, attack %.1fs",
-            server_round, int(stats["audit-reconstructions"]), len(replies),
-            int(stats["audit-certified-exact"]),
+        self._finish_round(server_round, stats, audit_seconds, merged)
+        log(INFO, "[audit] round %d: %d/%d reconstructed, %d certified exact%s, "
+            "attack %.1fs, audit %.1fs", server_round, int(stats["audit-reconstructions"]),
+            len(replies), int(stats["audit-certified-exact"]),
             (f", mean PSNR {stats['audit-psnr-mean']:.1f} dB"
-             if "audit-psnr-mean" in stats else ""), audit_seconds)
+             if "audit-psnr-mean" in stats else ""), stats["audit-attack-seconds"],
+            audit_seconds)
         return arrays, merged
+
+    def _finish_round(self, server_round: int, stats: dict[str, float], audit_seconds: float,
+                      metrics: MetricRecord | None) -> None:
+        """Record the round's timings (training phase wall time: configure -> aggregated)."""
+        started = self._round_started.pop(server_round, None)
+        info: dict[str, Any] = dict(stats)
+        info["audit-seconds"] = audit_seconds
+        if started is not None:
+            info["train-round-seconds"] = time.perf_counter() - started
+        self.round_stats[server_round] = info
+        if self.store is not None:
+            self.store.add_round(server_round, {**info, "aggregated": dict(metrics or {})})
 
     @staticmethod
     def _strip_audit_info(reply: Message) -> None:
@@ -537,7 +557,8 @@ class AuditingStrategy(Strategy):
                                   if r.status in ("attack-error", "timeout", "no-update")),
             "audit-corrupt": sum(1 for r in records if r.status == "corrupt"),
             "audit-client-errors": sum(1 for r in records if r.status == "client-error"),
-            "audit-attack-seconds": float(seconds),
+            "audit-attack-seconds": float(sum(r.attack_seconds or 0.0 for r in records)),
+            "audit-seconds": float(seconds),
         }
         lams = [r.sparsity_match for r in ok if r.sparsity_match is not None]
         if lams:
@@ -595,7 +616,9 @@ class AuditingStrategy(Strategy):
             record.error = str(exc)
             log(WARNING, "[audit] %s: nothing to attack: %s", who, exc)
             return
-        arrays = (dw.numpy(), db.numpy(), w0.numpy(), b0.numpy())
+        # float64 as weight_update_pair returns it (the difference of the float32 weights is
+        # exact in float64); the attack estimates the weights' rounding noise itself.
+        arrays = tuple(t.numpy() for t in (dw, db, w0, b0))
         kwargs = self.attack.invert_kwargs()
         log(INFO, "[audit] %s: attacking %s layer update %s with %s ...", who,
             self.attack.weight_key or "first", tuple(dw.shape), self.attack.method)

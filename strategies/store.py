@@ -281,6 +281,7 @@ class AuditStore:
         self.rounds: dict[int, dict[str, Any]] = {}
         self.started = time.time()
         atomic_write_bytes(self.run_dir / "config.json", _dumps(self.config, indent=2).encode())
+        atomic_write_bytes(self.run_dir / "metrics.jsonl", b"")  # exists even with no record
 
     # ------------------------------------------------------------------ writing
 
@@ -336,7 +337,8 @@ class AuditStore:
             line = rec.metrics()
             line["dir"] = f"round-{rec.server_round}/{rec.client_label}"
             lines.append(_dumps(line))
-        atomic_write_bytes(self.run_dir / "metrics.jsonl", ("\n".join(lines) + "\n").encode())
+        text = "".join(line + "\n" for line in lines)
+        atomic_write_bytes(self.run_dir / "metrics.jsonl", text.encode())
 
     # ------------------------------------------------------------------ summary + report
 
@@ -480,9 +482,25 @@ class AuditStore:
         ]
         parts += [f"<tr><th class='l'>{esc(k)}</th><td>{fmt(v)}</td></tr>" for k, v in head]
         parts.append("</table>")
+        parts.append("<h2>Per round</h2>")
+        round_cols = [("audit-replies", "replies", 0),
+                      ("audit-reconstructions", "reconstructed", 0),
+                      ("audit-certified-exact", "certified exact", 0),
+                      ("audit-lambda-mean", "mean λ", 4), ("audit-psnr-mean", "mean PSNR [dB]", 1),
+                      ("audit-attack-seconds", "attack s", 1), ("audit-seconds", "audit s", 1),
+                      ("train-round-seconds", "round s", 1)]
+        if self.rounds:
+            parts.append("<table><tr><th>round</th>" + "".join(
+                f"<th>{esc(title)}</th>" for _, title, _ in round_cols) + "</tr>")
+            for rnd, info in sorted(self.rounds.items()):
+                cells = [fmt(info.get(key), digits) if digits else fmt(info.get(key))
+                         for key, _, digits in round_cols]
+                parts.append(f"<tr><td>{rnd}</td>"
+                             + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+            parts.append("</table>")
         plot = self._plot_png()
         if plot is not None:
-            parts += ["<h2>Per round</h2>", img(plot, "per-round metrics")]
+            parts.append(img(plot, "per-round metrics"))
         cols = ["round", "client", "status", "B", "λ", "certified", "PSNR [dB]",
                 "attack s", "examples"]
         if dp:

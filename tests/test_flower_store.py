@@ -1,0 +1,168 @@
+"""Audit storage: owner-only permissions, atomic writes, no overwrite, summary and report."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strategies.store import (
+    AuditStore,
+    ClientAudit,
+    atomic_write_bytes,
+    image_grid,
+    jsonable,
+    records_from_jsonl,
+)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _record(rnd: int, pid: int | None, *, gt: bool, rng: np.random.Generator,
+            **kw: object) -> ClientAudit:
+    images = rng.random((4, 1, 28, 28))
+    return ClientAudit(
+        server_round=rnd, node_id=1000 + (pid or 0), partition_id=pid, status="ok",
+        protocol="fedsgd", num_examples=4, batch_size=4, sparsity_match=1.0, exact=True,
+        n_directions=4, attack_seconds=0.5, inputs=rng.standard_normal((4, 784)),
+        recon_images=images, original_images=images if gt else None,
+        psnr=[120.0] * 4 if gt else None, psnr_mean=120.0 if gt else None,
+        sample_indices=[1, 2, 3, 4] if gt else None, **kw,
+    )
+
+
+@pytest.fixture
+def umask_open():
+    """Run with a permissive umask: the store must still produce 0600/0700."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_permissions_are_owner_only_even_with_umask_0(tmp_path: Path, umask_open: None) -> None:
+    rng = np.random.default_rng(0)
+    store = AuditStore(tmp_path / "runs", "run-a", config={"protocol": "fedsgd"})
+    store.add(_record(1, 0, gt=True, rng=rng))
+    store.add(_record(1, 1, gt=False, rng=rng))
+    store.finalize()
+    assert _mode(tmp_path / "runs") == 0o700  # created by the store
+    dirs = [p for p in store.run_dir.rglob("*") if p.is_dir()] + [store.run_dir]
+    files = [p for p in store.run_dir.rglob("*") if p.is_file()]
+    assert len(dirs) >= 4 and len(files) >= 9
+    for d in dirs:
+        assert _mode(d) == 0o700, d
+    for f in files:
+        assert _mode(f) == 0o600, f
+    names = {str(p.relative_to(store.run_dir)) for p in files}
+    for want in ("config.json", "metrics.jsonl", "summary.json", "report.html",
+                 "round-1/client-0/reconstruction.png", "round-1/client-0/original.png",
+                 "round-1/client-0/inputs.npz", "round-1/client-0/metrics.json",
+                 "round-1/client-1/reconstruction.png", "round-1/client-1/metrics.json"):
+        assert want in names, (want, sorted(names))
+    assert "round-1/client-1/original.png" not in names  # no ground truth for that client
+    assert not [n for n in names if n.endswith(".tmp") or "/." in n or n.startswith(".")]
+
+
+def test_second_run_never_overwrites_the_first(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    first = AuditStore(tmp_path, "same-name", config={"a": 1})
+    first.add(_record(1, 0, gt=False, rng=rng))
+    first.finalize()
+    before = {p: p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError):
+        AuditStore(tmp_path, "same-name", config={"a": 2})
+    after = {p: p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()}
+    assert after == before
+    # generated names are unique even when created in the same second
+    names = {AuditStore(tmp_path).run_name for _ in range(5)}
+    assert len(names) == 5
+    for name in names:
+        assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", name)
+
+
+def test_bad_run_names_are_rejected(tmp_path: Path) -> None:
+    for bad in ("../escape", "a/b", ".", "", " x"):
+        with pytest.raises(ValueError):
+            AuditStore(tmp_path, bad or "..")
+
+
+def test_duplicate_client_label_gets_its_own_directory(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    store = AuditStore(tmp_path, "dup")
+    d1 = store.add(_record(1, 3, gt=False, rng=rng))
+    d2 = store.add(_record(1, 3, gt=False, rng=rng))
+    assert d1 != d2 and d1.name == "client-3" and d2.name == "client-3-2"
+    assert (d1 / "inputs.npz").is_file() and (d2 / "inputs.npz").is_file()
+
+
+def test_metrics_jsonl_summary_and_report(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    store = AuditStore(tmp_path, "full", config={"protocol": "dpsgd", "dataset": "mnist"})
+    store.add(_record(1, 0, gt=True, rng=rng, epsilon=3.5, epsilon_cumulative=3.5, delta=1e-5))
+    store.add(_record(2, 0, gt=True, rng=rng, epsilon=3.5, epsilon_cumulative=5.0, delta=1e-5))
+    store.add(ClientAudit(1, 77, partition_id=1, status="attack-error", error="boom <b>"))
+    store.add(ClientAudit(1, 78, status="corrupt", error="array '1.weight' contains NaN or inf"))
+    store.add_round(1, {"audit_seconds": 1.0})
+    summary = store.finalize({"status": "completed"})
+
+    lines = records_from_jsonl(store.run_dir / "metrics.jsonl")
+    assert len(lines) == 4
+    assert [ln["status"] for ln in lines] == ["ok", "ok", "attack-error", "corrupt"]
+    assert lines[2]["error"] == "boom <b>" and lines[3]["partition_id"] is None
+    assert lines[3]["dir"] == "round-1/node-78"
+    assert "inputs" not in lines[0] and "sample_indices" not in lines[0]
+
+    on_disk = json.loads((store.run_dir / "summary.json").read_text())
+    assert on_disk == summary
+    assert summary["reconstructions"] == 2
+    assert summary["certified_exact"] == 2
+    assert summary["psnr_mean"] == pytest.approx(120.0)
+    assert summary["epsilon"] == pytest.approx(5.0)  # largest cumulative epsilon
+    assert summary["attack_failures"] == 1 and summary["corrupt_replies"] == 1
+    assert summary["status"] == "completed"
+
+    report = (store.run_dir / "report.html").read_text()
+    assert report.count("data:image/png;base64,") >= 5  # plot + 2 x (recon, original)
+    assert "boom &lt;b&gt;" in report and "boom <b>" not in report  # escaped
+    assert "ε" in report  # DP column present
+    assert not re.search(r"""(src|href)=["']?(https?:|//)""", report)  # self-contained
+
+    npz = np.load(store.run_dir / "round-1/client-0/inputs.npz")
+    assert npz["inputs"].shape == (4, 784)
+    assert list(npz["sample_indices"]) == [1, 2, 3, 4]
+
+
+def test_summary_without_ground_truth_or_dp(tmp_path: Path) -> None:
+    store = AuditStore(tmp_path, "plain")
+    store.add(_record(1, 0, gt=False, rng=np.random.default_rng(4)))
+    summary = store.finalize()
+    assert summary["psnr_mean"] is None and summary["epsilon"] is None
+    assert summary["reconstructions"] == 1
+    assert "no ground truth" in (store.run_dir / "report.html").read_text()
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    atomic_write_bytes(target, b"one")
+    atomic_write_bytes(target, b"two")
+    assert target.read_bytes() == b"two" and _mode(target) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_jsonable_and_image_grid() -> None:
+    out = jsonable({"a": float("inf"), "b": float("nan"), "c": np.float32(1.5),
+                    "d": np.arange(2), "e": (np.int64(3),)})
+    assert out == {"a": "inf", "b": None, "c": 1.5, "d": [0, 1], "e": [3]}
+    json.dumps(out, allow_nan=False)
+    grid = image_grid(np.random.default_rng(0).random((5, 3, 8, 8)) * 3 - 1)
+    assert grid.dtype == np.uint8 and grid.ndim == 3 and grid.shape[2] == 3
+    assert grid.shape[1] >= 256
+    with pytest.raises(ValueError):
+        image_grid(np.zeros((2, 2, 8, 8)))
