@@ -95,6 +95,10 @@ def invert(
     W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
     b = as_tensor(bias, "bias", ndim=1, device=dev) if bias is not None else None
     check_layer(G, g, W, b)
+    if cfg.sparse != "output":
+        raise NotImplementedError(
+            f"sparse={cfg.sparse!r} (inverting a layer through its sparse inputs) is not "
+            f"implemented yet; only sparse='output' (layers followed by a ReLU) is")
     generator = torch.Generator().manual_seed(seed)
     timings: dict[str, float] = {}
 
@@ -102,6 +106,10 @@ def invert(
     floor = 1e-6 if precision == torch.float32 else 1e-13
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
     timings["decompose"] = time.perf_counter() - t0
+    if cfg.noise != "auto":  # a known noise level replaces the spectral estimate
+        m_, n_ = G.shape
+        dec.noise_std = float(cfg.noise)
+        dec.noise_edge = float(cfg.noise) * (m_**0.5 + n_**0.5)
     S = dec.singular_values
     B0 = dec.batch_size
     if precision == torch.float64 and B0 < S.numel() and S[B0] > 1e-11 * S[0]:
