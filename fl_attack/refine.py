@@ -15,6 +15,7 @@ import math
 import torch
 
 from fl_attack.filtering import dedupe, zero_mask
+from fl_attack.polish import masked_gram_eigh
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -139,6 +140,20 @@ def conditional_directions(
     return Qs / Qs.norm(dim=0, keepdim=True)
 
 
+def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+    """Unit columns whose zero rows are exactly a candidate ReLU pattern (B, c).
+
+    For each column of ``mask`` (m, P) keep the kernel of L on those rows when it is exactly
+    one-dimensional: that pattern then determines a column.
+    """
+    if mask.shape[1] == 0:
+        return torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)
+    vals, vecs = masked_gram_eigh(L, mask)
+    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / L.shape[0]
+    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
+    return vecs[hit, :, 0].T.contiguous()
+
+
 def complete_one_missing(
     L: torch.Tensor,
     R: torch.Tensor,
@@ -170,15 +185,7 @@ def complete_one_missing(
     Z = cs[None, :] * a[:, None] + bias[:, None]  # (m, cells)
     mask = Z <= 0
     enough = mask.sum(dim=0) >= B - 1
-    mask = mask[:, enough]
-    if mask.shape[1] == 0:
-        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
-    from fl_attack.polish import masked_gram_eigh
-
-    vals, vecs = masked_gram_eigh(L, mask)
-    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / L.shape[0]
-    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
-    return vecs[hit, :, 0].T.contiguous()
+    return pattern_kernels(L, mask[:, enough], zero_rtol)
 
 
 def complete_two_missing(
@@ -221,12 +228,4 @@ def complete_two_missing(
             masks.append(msk)
     mask = torch.cat(masks, dim=1)
     mask = mask[:, mask.sum(dim=0) >= B - 1]
-    mask = torch.unique(mask, dim=1)
-    if mask.shape[1] == 0:
-        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
-    from fl_attack.polish import masked_gram_eigh
-
-    vals, vecs = masked_gram_eigh(L, mask)
-    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / m
-    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
-    return vecs[hit, :, 0].T.contiguous()
+    return pattern_kernels(L, torch.unique(mask, dim=1), zero_rtol)
