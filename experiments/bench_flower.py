@@ -170,8 +170,8 @@ def write_report(rows: list[dict[str, Any]], rounds: int, seconds: float) -> str
     lines += [
         "",
         "Attack times vary widely from batch to batch (the search stops as soon as the selection "
-        "is certified, λ = 1, or at the budget) and with the load of the shared machine; the "
-        "per-round figures are means over the clients of a round.",
+        "is certified, λ = 1, or at the budget) and with the load of the shared machine. Attack and "
+        "audit columns are per round (summed over the round's clients, mean over rounds 2..R).",
         "",
         "The attack runs inside `aggregate_train`, after all replies arrived, one client after "
         "the other: its cost grows linearly with the number of clients, while client training "
