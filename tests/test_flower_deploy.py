@@ -25,7 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _flower_processes() -> set[int]:
-    """PIDs of running (not zombie) Flower processes (flower-superlink/-supernode/..., flwr-*)."""
+    """PIDs of running (not zombie) Flower processes of this checkout's virtualenv.
+
+    Only processes whose command line names this checkout's ``.venv`` count, so that Flower
+    processes of other checkouts (another test run on the same machine) do not interfere.
+    """
+    venv = str(ROOT / ".venv")
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -35,8 +40,8 @@ def _flower_processes() -> set[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and ("flower-super" in cmd or "flwr-serverapp" in cmd
-                             or "flwr-clientapp" in cmd):
+        if state != "Z" and venv in cmd and ("flower-super" in cmd or "flwr-serverapp" in cmd
+                                             or "flwr-clientapp" in cmd):
             pids.add(int(entry.name))
     return pids
 
