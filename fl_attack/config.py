@@ -67,7 +67,7 @@ class AttackConfig:
     """Round every optimised direction to the exact kernel of its predicted zero rows."""
     zero_rtol: float | None = None
     """An entry of L q counts as zero below ``zero_rtol`` x the column's max. None: from the
-    precision of the gradient (1e-9 float64, 1e-4 float32) or from the estimated noise."""
+    precision of the gradient (1e-7 float64, 1e-4 float32) or from the estimated noise."""
     p_false_reject: float = 1e-5
     """Probability that a true direction is rejected by the sparsity threshold τ (binomial tail)."""
     tau: float | None = None
