@@ -95,10 +95,11 @@ def invert(
     W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
     b = as_tensor(bias, "bias", ndim=1, device=dev) if bias is not None else None
     check_layer(G, g, W, b)
-    if cfg.sparse != "output":
-        raise NotImplementedError(
-            f"sparse={cfg.sparse!r} (inverting a layer through its sparse inputs) is not "
-            f"implemented yet; only sparse='output' (layers followed by a ReLU) is")
+    if cfg.sparse != "output":  # SPEC §8: the layer's inputs are the sparse factor (input_layer)
+        from fl_attack import input_layer
+
+        side = input_layer.invert_inputs if cfg.sparse == "input" else input_layer.invert_auto
+        return side(G, g, W, b, cfg=cfg, precision=precision, seed=seed, device=dev, start=start)
     generator = torch.Generator().manual_seed(seed)
     timings: dict[str, float] = {}
 

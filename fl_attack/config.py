@@ -23,8 +23,8 @@ class AttackConfig:
     """``"spear++"`` (dictionary learning, polynomial in B) or ``"spear"`` (sampling)."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
-    layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input). Only
-    ``"output"`` is implemented yet; the others raise ``NotImplementedError``."""
+    layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
+    better, see :mod:`fl_attack.input_layer`)."""
 
     # --- decomposition (SPEC §2) ----------------------------------------------------------------
     batch_size: int | None = None

@@ -201,8 +201,8 @@ def test_unknown_options(layer) -> None:
         fl_attack.invert(G, g, loss="l2")
     with pytest.raises(ValueError, match="unknown device"):
         fl_attack.invert(G, g, device="tpu:0")
-    with pytest.raises(NotImplementedError, match="sparse='input'"):
-        fl_attack.invert(G, g, sparse="input")
+    with pytest.raises(ValueError, match="unknown sparse"):
+        fl_attack.invert(G, g, sparse="inputs")
     with pytest.raises(ValueError, match="steps must be a positive int"):
         fl_attack.AttackConfig(steps=0)
 

@@ -1,0 +1,517 @@
+"""Inverting a layer through its sparse *inputs* (SPEC §8): ``sparse="input"`` and ``"auto"``.
+
+A linear layer preceded by a ReLU sees non-negative, sparse inputs ``x_i`` (about half of the
+entries exactly zero). Its weight gradient ``G = Σ_i g_i x_iᵀ`` (m, n), ``g_i = ∂L/∂z_i``, has
+the transpose ``Gᵀ = Σ_i x_i g_iᵀ`` (n, m) with the same structure as the usual problem with the
+roles swapped: factor ``Gᵀ = L' R'`` (rank B, :func:`~fl_attack.decompose.decompose` on ``Gᵀ``),
+then ``X = L' Q`` has sparse columns and ``[g_1 … g_B]ᵀ = Q⁻¹ R'``. The SPEAR++ search of
+``fl_attack.attack`` (which looks for sparse columns of ``L Q``) therefore runs unchanged on the
+transposed decomposition.
+
+Scales. Directions are found up to scale: for unscaled columns ``Q̄`` the true pairs are
+``x_i = s_i x̂_i`` and ``g_i = ĝ_i / s_i`` with ``x̂_i = L' q̄_i`` and ``ĝ_iᵀ = (Q̄⁻¹ R')_i``.
+The bias gradient ``db = Σ_i g_i = Σ_i u_i ĝ_i`` (``u_i = 1/s_i``) is m equations in B unknowns;
+with ``t' = (R'ᵀ)⁺ db`` the least-squares solution is simply ``u = Q̄ᵀ t'`` (one product per
+candidate basis, see :func:`inverse_scales`). Signs: ReLU outputs are non-negative, so each
+``x̂_i`` is first oriented to carry its mass on the positive side; the solved ``u_i`` must then be
+positive. A non-positive ``u_i`` or an ``x_i`` with clearly negative entries means the direction
+is not a sample (noise, or a mixture) and voids the certificate.
+
+Certificate (input mode). With the layer's ``W`` and ``b``, ``z_i = W x_i + b`` follows from the
+recovered inputs, and if the layer is followed by a ReLU then ``g_i = ∂L/∂y_i ⊙ 1[z_i > 0]``:
+``g_i`` is zero exactly where ``z_i ≤ 0`` (when ``∂L/∂y`` is dense). :func:`pattern_match`
+counts, over the m B entries, those where "``z ≤ 0``" agrees with "``g`` numerically zero" (the
+same zero test, rounding band and ambiguity rule as the output-mode λ of ``fl_attack.select``),
+so λ = 1 for the true batch. ``exact`` is claimed only when λ = 1 **and** all B directions were
+found **and** every ``x_i`` is non-negative up to the zero tolerance with a positive scale.
+For a layer *not* followed by a ReLU (an output layer) the certificate does not apply: λ stays
+below 1 and nothing is marked exact, although the reconstruction itself may be right.
+
+Selection. ``fl_attack.attack._Search`` is reused with a :class:`~fl_attack.scale.LayerSystem`
+whose ``weight``/``WR``/``bias`` are None: its stage-1 selection (sparsest independent candidates)
+and the pool of candidates are what input mode needs, while its stage 2, exact completion and
+repair are written in output-mode formulas (they predict the pattern of ``L Q`` from
+``Z = W (Q⁻¹R)ᵀ + b``), which do not hold for the transposed problem. Instead, when λ < 1,
+:func:`greedy_swaps` does the input-mode stage 2 (swap a column for a spare candidate while λ
+grows, each trial in O(m B) by the rank-one update of ``Q̄⁻¹``), and further search rounds feed
+the pool until λ = 1, ``max_rounds`` or ``max_seconds``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import geoopt
+import torch
+
+from fl_attack import attack as _attack
+from fl_attack import polish, search
+from fl_attack.config import AttackConfig
+from fl_attack.decompose import decompose
+from fl_attack.filtering import normalize_columns, zero_mask
+from fl_attack.scale import LayerSystem
+
+__all__ = [
+    "InputMatch",
+    "greedy_swaps",
+    "input_factors",
+    "inverse_scales",
+    "invert_auto",
+    "invert_inputs",
+    "optimise_signed",
+    "orient_nonnegative",
+    "pattern_match",
+    "signed_sparsity_loss",
+]
+
+
+def orient_nonnegative(Lt: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """Flip columns of ``Q`` (B, K) so that ``Lt Q`` carries more positive than negative mass.
+
+    ReLU outputs are non-negative; a direction is only known up to ±, and this picks the sign
+    under which the candidate input could be a ReLU output.
+    """
+    V = Lt @ Q
+    pos = V.clamp_min(0).sum(dim=0)
+    neg = (-V).clamp_min(0).sum(dim=0)
+    sign = torch.where(neg > pos, -1.0, 1.0).to(Q.dtype)
+    return Q * sign
+
+
+def inverse_scales(Q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Inverse scales ``u`` (B,) with ``db = Σ_i u_i ĝ_i`` for unscaled columns ``Q`` (B, B).
+
+    ``t`` is ``(R'ᵀ)⁺ db``; since the ``ĝ_iᵀ`` are the rows of ``Q⁻¹ R'``, the least-squares
+    solution of the m equations ``R'ᵀ Q⁻ᵀ u = db`` is ``u = Qᵀ t``.
+    """
+    return Q.T @ t
+
+
+def input_factors(
+    Q: torch.Tensor, Lt: torch.Tensor, Rt: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scaled pairs for unscaled columns ``Q`` (B, B) of the transposed decomposition.
+
+    ``Lt`` (n, B), ``Rt`` (B, m) factor ``Gᵀ``; ``t = (R'ᵀ)⁺ db``. Returns ``X`` (B, n), the
+    inputs ``x_i = x̂_i / u_i``; ``D`` (B, m), the output gradients ``g_i = u_i ĝ_i``; and ``u``
+    (B,). Tiny ``|u_i|`` are floored (at float epsilon times the largest) to keep ``X`` finite.
+    """
+    u = inverse_scales(Q, t)
+    tiny = torch.finfo(u.dtype).eps * u.abs().max().clamp_min(torch.finfo(u.dtype).tiny)
+    u_safe = torch.where(u.abs() < tiny, torch.where(u < 0, -tiny, tiny), u)
+    X = (Lt @ Q).T / u_safe[:, None]
+    D = u[:, None] * torch.linalg.solve(Q, Rt)
+    return X, D, u
+
+
+def _ambiguous(V: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+    """Entries too small to tell from rounding noise (within 100x of the zero test), per column."""
+    return zero_mask(V, zero_rtol) & ~zero_mask(V, zero_rtol * 1e-2)
+
+
+def _agree(Z: torch.Tensor, Dzero: torch.Tensor, band: float) -> torch.Tensor:
+    """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0", Z within ``band`` of 0 matching both."""
+    if band <= 0:
+        return (Z <= 0) == Dzero
+    tol = band * Z.abs().amax(dim=0, keepdim=True)
+    return torch.where(Dzero, Z <= tol, Z > -tol)
+
+
+@dataclass
+class InputMatch:
+    """Input-mode certificate of a candidate basis (see the module docstring)."""
+
+    value: float
+    """λ: fraction of the m B entries whose ReLU pattern and gradient zeros agree."""
+    per_sample: torch.Tensor
+    """(B,) agreeing entries per sample (out of m)."""
+    nonnegative: torch.Tensor
+    """(B,) bool: ``x_i`` has no entry below ``-zero_rtol · max|x_i|`` and ``u_i > 0``."""
+
+
+def pattern_match(
+    X: torch.Tensor,
+    D: torch.Tensor,
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    zero_rtol: float,
+    z_band: float = 0.0,
+) -> InputMatch:
+    """λ for inputs ``X`` (B, n) and output gradients ``D`` (B, m) of a layer followed by ReLU.
+
+    Entry (i, j) agrees when ``z_ij = (W x_i + b)_j ≤ 0`` exactly where ``D_ij`` is numerically
+    zero (``|D_ij| ≤ zero_rtol · max_j |D_ij|``). Pre-activations within ``z_band · max_j |z_ij|``
+    of zero match either way (rounding of ``z``), and so do gradient entries between
+    ``zero_rtol/100`` and ``zero_rtol`` relative (too small to tell from rounding noise), as in the
+    output-mode λ. λ = agreeing entries / (m B).
+    """
+    Z = (X @ weight.T + bias).T  # (m, B)
+    V = D.T  # (m, B)
+    agree = _agree(Z, zero_mask(V, zero_rtol), z_band) | _ambiguous(V, zero_rtol)
+    per = agree.sum(dim=0)
+    m, B = V.shape
+    xmax = X.abs().amax(dim=1).clamp_min(torch.finfo(X.dtype).tiny)
+    nonneg = (X >= -zero_rtol * xmax[:, None]).all(dim=1) & (u > 0)
+    return InputMatch(value=float(per.sum()) / (m * B), per_sample=per, nonnegative=nonneg)
+
+
+def _match(Q: torch.Tensor, system: LayerSystem, W: torch.Tensor, b: torch.Tensor,
+           t: torch.Tensor) -> InputMatch:
+    X, D, u = input_factors(Q, system.L, system.R, t)
+    return pattern_match(X, D, u, W, b, zero_rtol=system.zero_rtol, z_band=system.z_band)
+
+
+def greedy_swaps(
+    Q: torch.Tensor,
+    spare: torch.Tensor,
+    system: LayerSystem,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    max_swaps: int = 200,
+    positions: int = 6,
+    chunk_elems: int = 2**25,
+) -> tuple[torch.Tensor, InputMatch, int]:
+    """Input-mode stage 2: best-improvement swaps of columns of ``Q`` for ``spare`` candidates.
+
+    Replacing column i by a candidate c changes, with ``a = Q⁻¹ c``: ``x̂_i`` (and its ``z_i``;
+    ``u_i = cᵀ t`` only for this column) and every ``ĝ_j ← ĝ_j − (a_j/a_i) ĝ_i``
+    (``ĝ_i ← ĝ_i/a_i``).
+    Each trial is O(m B). Only the ``positions`` columns with the largest ``|a_i|`` are tried per
+    candidate (the others would make the basis nearly singular). Returns (Q, match, swaps).
+    """
+    L, R, rtol, band = system.L, system.R, system.zero_rtol, system.z_band
+    match = _match(Q, system, weight, bias, t)
+    if spare.shape[1] == 0:
+        return Q, match, 0
+    Q, spare = Q.clone(), spare.clone()
+    m, B = R.shape[1], Q.shape[0]
+    WL = weight @ L  # (m, B): z of any direction c is WL c / u + b
+    z_spare = WL @ spare  # (m, c) unscaled
+    u_spare = spare.T @ t  # (c,)
+    r = min(positions, B)
+    swaps = 0
+    while swaps < max_swaps and match.value < 1.0:
+        P = torch.linalg.inv(Q)
+        Ghat = P @ R  # (B, m) unscaled ĝ
+        u = Q.T @ t
+        A = P @ spare  # (B, c)
+        c = A.shape[1]
+        pos = A.abs().topk(r, dim=0).indices  # (r, c)
+        u_idx = torch.arange(c, device=Q.device).repeat(r)
+        i_idx = pos.reshape(-1)
+        Zcur = (WL @ Q) / u + bias[:, None]  # (m, B) current z (u_i ≈ 0 gives inf: no match)
+        base = float(match.per_sample.sum())
+        best_gain, best = 0.0, None
+        per = max(1, chunk_elems // (m * B))
+        for start in range(0, u_idx.numel(), per):
+            us = u_idx[start:start + per]
+            i = i_idx[start:start + per]
+            a = A[:, us]  # (B, p)
+            a_i = a.gather(0, i[None])  # (1, p)
+            ok = a_i.abs() > 1e-10
+            ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
+            # new ĝ_j = ĝ_j - ratio_j ĝ_i (j ≠ i), ĝ_i / a_i; scaled by the (unchanged) u_j
+            Gi = Ghat[i]  # (p, m)
+            G_new = Ghat[:, None, :] - ratio[:, :, None] * Gi[None]  # (B, p, m)
+            inv_ai = (1.0 / torch.where(ok, a_i, torch.ones_like(a_i)))[0]  # (p,)
+            p_idx = torch.arange(i.numel(), device=Q.device)
+            G_new[i, p_idx] = Gi * inv_ai[:, None]
+            u_new = u[:, None].expand(B, i.numel()).clone()
+            u_new[i, p_idx] = u_spare[us]
+            V = (u_new[:, :, None] * G_new).permute(2, 0, 1)  # (m, B, p)
+            Z = Zcur[:, :, None].expand(m, B, i.numel()).clone()
+            Z[:, i, p_idx] = z_spare[:, us] / u_spare[us] + bias[:, None]
+            Vz = zero_mask(V.reshape(m, -1), rtol).reshape(m, B, -1)
+            amb = _ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
+            agree = _agree(Z.reshape(m, -1), Vz.reshape(m, -1), band).reshape(m, B, -1) | amb
+            total = agree.sum(dim=(0, 1)).to(torch.float64)
+            total[~ok[0] | (u_spare[us] <= 0)] = -1.0
+            gain, j = total.max(dim=0)
+            if float(gain) - base > best_gain:
+                best_gain, best = float(gain) - base, (int(us[j]), int(i[j]))
+        if best is None:
+            break
+        u_sel, i_sel = best
+        old = Q[:, i_sel].clone()
+        Q[:, i_sel] = spare[:, u_sel]
+        spare[:, u_sel] = old
+        z_spare[:, u_sel] = WL @ old
+        u_spare[u_sel] = old @ t
+        match = _match(Q, system, weight, bias, t)
+        swaps += 1
+    return Q, match, swaps
+
+
+#: Weight κ of the sign penalty in the input-mode search loss (see :func:`signed_sparsity_loss`).
+#: Tuned on photos32 (layer 2-3 of a width-200 MLP, B = 20): κ = 0 (plain ℓ1) finds 8-11 of
+#: the 20 inputs per batch, κ = 1-5 finds 15-19 from one round of 400 initialisations.
+SIGN_PENALTY = 5.0
+
+
+def signed_sparsity_loss(V: torch.Tensor, loss: str, alpha: float,
+                         kappa: float = SIGN_PENALTY) -> torch.Tensor:
+    """φ(v) + κ min(Σ_j v_j⁺, Σ_j v_j⁻) per row of ``V`` (..., K, n).
+
+    The inputs of a layer preceded by a ReLU are non-negative and, on real data, share most of
+    their zeros, so differences of two inputs are about as ℓ1-sparse as the inputs themselves
+    and plain ℓ1 stalls at them. The penalty charges a direction for its minority-sign mass:
+    ±x_i (one sign) pays nothing extra, mixtures with opposite signs do.
+    """
+    pos = V.clamp_min(0).sum(dim=-1)
+    neg = (-V).clamp_min(0).sum(dim=-1)
+    return search.sparsity_loss(V, loss, alpha) + kappa * torch.minimum(pos, neg)
+
+
+def optimise_signed(
+    L: torch.Tensor,
+    init: torch.Tensor,
+    *,
+    loss: str = "l1",
+    optimizer: str = "radam",
+    steps: int = 300,
+    lr: float | None = None,
+    milestones: tuple[float, ...] = (0.4, 0.8),
+    gamma: float = 0.1,
+    alpha: float = 20.0,
+    kappa: float = SIGN_PENALTY,
+) -> torch.Tensor:
+    """Minimise :func:`signed_sparsity_loss` of ``L q`` over the sphere from each row of ``init``.
+
+    Same optimisers and schedule as :func:`fl_attack.search.optimise_on_sphere` (Riemannian Adam
+    from geoopt, or projected gradient steps on the mean loss); returns (B, K) columns.
+    """
+    L = L.detach()
+    Lt = L.T.contiguous()
+    n = L.shape[0]
+    X0 = init.to(device=L.device, dtype=L.dtype)
+    marks = sorted({int(f * steps) for f in milestones})
+
+    def objective(Xq: torch.Tensor) -> torch.Tensor:
+        return signed_sparsity_loss(Xq @ Lt, loss, alpha, kappa)
+
+    if optimizer == "radam":
+        param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
+        opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            objective(param).sum().backward()
+            opt.step()
+            sched.step()
+        return param.detach().T.contiguous()
+    if optimizer == "pgd":
+        X = X0.clone().requires_grad_(True)
+        step = 5.0 if lr is None else lr
+        for it in range(steps):
+            if it in marks:
+                step *= gamma
+            (grad,) = torch.autograd.grad((objective(X) / n).sum(), X)
+            with torch.no_grad():
+                X -= step * grad
+                X /= X.norm(dim=-1, keepdim=True)
+        return X.detach().T.contiguous()
+    raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")
+
+
+class _InputSearch(_attack._Search):
+    """``_Search`` on ``Gᵀ`` whose SPEAR++ rounds optimise the sign-aware loss.
+
+    Everything after the optimisation (polishing, filtering, face splitting, pool, stage-1
+    selection, rounds and time budget) is the output-mode machinery, applied to ``L'``.
+    """
+
+    def _round_spearpp(self) -> None:
+        cfg, B = self.cfg, self.B
+        K = cfg.n_init or max(256, 20 * B)
+        dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
+        init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
+                                    device=self.device)
+        t0 = time.perf_counter()
+        optimizer = cfg.optimizer
+        if cfg.alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
+            optimizer = "pgd" if optimizer == "radam" else "radam"
+        lr = cfg.lr if optimizer == cfg.optimizer else None
+        Qopt = optimise_signed(
+            self.dec.L.to(dtype), init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps,
+            lr=lr, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
+        )
+        self._tick("search", t0)
+        t0 = time.perf_counter()
+        rtol = self.system.zero_rtol
+        if not cfg.polish:
+            Qp = Qopt.double()
+            self._add(Qp, zero_mask(self.dec.L @ Qp, rtol).sum(dim=0))
+            self._tick("polish", t0)
+            return
+        n_rows = self._n_rows()
+        Qp, zeros, face_dim, lev = polish.polish(self.dec.L, Qopt, n_rows=n_rows, zero_rtol=rtol)
+        self._add(Qp, zeros, lev)
+        faces = torch.nonzero(face_dim > 1).squeeze(1)
+        vertices = torch.nonzero((face_dim == 1) & (zeros >= self.min_zeros)
+                                 & (lev >= cfg.max_leverage)).squeeze(1)
+        self._tick("polish", t0)
+        t0 = time.perf_counter()
+        self._split_faces(Qopt.double()[:, faces], n_rows)
+        self._split_faces(Qp[:, vertices], n_rows, vertex=True)
+        self._tick("faces", t0)
+
+
+def _spares(pool: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """Pool columns that are not (up to sign) columns of ``Q``."""
+    if pool.shape[1] == 0:
+        return pool
+    Qn = normalize_columns(Q)
+    cos = (normalize_columns(pool).T @ Qn).abs()
+    return pool[:, (cos < 1 - 1e-9).all(dim=1)]
+
+
+def invert_inputs(
+    G: torch.Tensor,
+    g: torch.Tensor,
+    W: torch.Tensor | None,
+    b: torch.Tensor | None,
+    *,
+    cfg: AttackConfig,
+    precision: torch.dtype,
+    seed: int,
+    device: torch.device,
+    start: float,
+) -> _attack.Reconstruction:
+    """``sparse="input"``: recover the inputs of a layer preceded by a ReLU from ``Gᵀ``.
+
+    ``G`` (m, n), ``g`` (m,), ``W``, ``b`` are validated float64 tensors on ``device`` (see
+    :func:`fl_attack.invert`). Returns a :class:`~fl_attack.Reconstruction` whose ``inputs`` are
+    the x_i, ``scales`` the norms of the recovered ``∂L/∂z_i``, ``column_match`` the per-sample λ
+    and ``config.sparse == "input"``. Raises ``ValueError`` when the batch is not smaller than
+    ``min(m, n)`` (the transposed problem is then not identifiable either).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    floor = 1e-6 if precision == torch.float32 else 1e-13
+    try:
+        dec = decompose(G.T, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
+                        floor_rtol=floor)
+    except ValueError as exc:
+        raise ValueError(f"sparse='input' (inverting Gᵀ, inputs of dimension n = {G.shape[1]}): "
+                         f"{exc}") from exc
+    timings["decompose"] = time.perf_counter() - t0
+    if cfg.noise != "auto":
+        m_, n_ = G.shape
+        dec.noise_std = float(cfg.noise)
+        dec.noise_edge = float(cfg.noise) * (m_**0.5 + n_**0.5)
+    S, B = dec.singular_values, dec.batch_size
+    if precision == torch.float64 and B < S.numel() and S[B] > 1e-11 * S[0]:
+        precision = torch.float32  # float64 storage of float32-precision numbers
+    zero_rtol = cfg.zero_rtol or _attack._default_zero_rtol(precision, dec)
+    z_band = 1e-5 if precision == torch.float32 else 1e-10
+    # t' = (R'ᵀ)⁺ db: the bias gradient in the coordinates of the transposed factorisation
+    t = torch.linalg.lstsq(dec.R.T, g[:, None]).solution[:, 0]
+    system = LayerSystem(L=dec.L, R=dec.R, t=t, WR=None, bias=None, zero_rtol=zero_rtol,
+                         weight=None, z_band=z_band)
+    run = _InputSearch(cfg, dec, system, generator, device, timings, start)
+    have_wb = W is not None and b is not None
+    swaps = 0
+    match: InputMatch | None = None
+    if B == 1:
+        Q = torch.ones(1, 1, dtype=torch.float64, device=device)
+        n_found = 1
+    else:
+        Q, n_found = run.find()
+    Q = orient_nonnegative(dec.L, Q)
+    if have_wb:
+        assert W is not None and b is not None
+        t0 = time.perf_counter()
+        match = _match(Q, system, W, b, t)
+        while B > 1:
+            if match.value < 1.0 and cfg.greedy:
+                spare = orient_nonnegative(dec.L, _spares(run.pool, Q))
+                Q, match, k = greedy_swaps(Q, spare, system, W, b, t,
+                                           max_swaps=cfg.max_swaps,
+                                           positions=cfg.swap_positions)
+                swaps += k
+            if match.value >= 1.0 or run.rounds >= cfg.max_rounds or run._out_of_time():
+                break
+            timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
+            Q_new, n_new = run.find()  # more rounds feed the pool
+            Q_new = orient_nonnegative(dec.L, Q_new)
+            t0 = time.perf_counter()
+            m_new = _match(Q_new, system, W, b, t)
+            if (n_new, m_new.value) > (n_found, match.value):
+                Q, n_found, match = Q_new, n_new, m_new
+        timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    X, D, u = input_factors(Q, dec.L, dec.R, t)
+    timings["reconstruct"] = time.perf_counter() - t0
+    lam = match.value if match is not None else None
+    exact = (match is not None and match.value >= 1.0 and n_found == B
+             and bool(match.nonnegative.all()))
+    col = (match.per_sample.double() / G.shape[0]).cpu() if match is not None else None
+    return _attack.Reconstruction(
+        inputs=X.cpu(),
+        batch_size=B,
+        sparsity_match=lam,
+        exact=exact,
+        n_directions=n_found,
+        method=cfg.method,
+        seconds=time.perf_counter() - start,
+        timings=timings,
+        rounds=run.rounds,
+        n_candidates=run.n_candidates,
+        swaps=swaps,
+        noise_std=dec.noise_std,
+        scales=D.norm(dim=1).cpu(),
+        column_match=col,
+        config=dataclasses.replace(cfg, sparse="input"),
+    )
+
+
+def _rank(rec: _attack.Reconstruction) -> tuple[bool, float, int]:
+    lam = rec.sparsity_match if rec.sparsity_match is not None else -1.0
+    return rec.exact, lam, rec.n_directions
+
+
+def invert_auto(
+    G: torch.Tensor,
+    g: torch.Tensor,
+    W: torch.Tensor | None,
+    b: torch.Tensor | None,
+    *,
+    cfg: AttackConfig,
+    precision: torch.dtype,
+    seed: int,
+    device: torch.device,
+    start: float,
+) -> _attack.Reconstruction:
+    """``sparse="auto"``: the output side first; if it is not exact, the input side as well.
+
+    Returns the better of the two by (exact, λ, directions found), the output side on ties;
+    ``config.sparse`` of the result names the side used and ``timings["other_side"]`` the seconds
+    spent on the side not returned. ``max_seconds`` bounds the two attempts together (the input
+    side gets what the output side left, but always at least one search round).
+    """
+    out = _attack.invert(G.to(precision), g.to(precision), weight=W, bias=b, method=cfg.method,
+                         seed=seed, device=device,
+                         config=dataclasses.replace(cfg, sparse="output"))
+    out.config = dataclasses.replace(cfg, sparse="output")
+    if out.exact:
+        out.seconds = time.perf_counter() - start
+        return out
+    budget = cfg.max_seconds
+    if budget is not None:
+        budget = max(budget - (time.perf_counter() - start), 1e-3)
+    t_in = time.perf_counter()
+    inp = invert_inputs(G, g, W, b, cfg=dataclasses.replace(cfg, max_seconds=budget),
+                        precision=precision, seed=seed, device=device, start=t_in)
+    best, other = (inp, out) if _rank(inp) > _rank(out) else (out, inp)
+    best.timings["other_side"] = other.seconds
+    best.seconds = time.perf_counter() - start
+    best.config = dataclasses.replace(best.config or cfg, max_seconds=cfg.max_seconds)
+    return best
