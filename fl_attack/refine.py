@@ -86,15 +86,32 @@ def vertex_face_basis(
 
 
 def face_basis(
-    L: torch.Tensor, q: torch.Tensor, n_rows: int, zero_rtol: float
+    L: torch.Tensor, q: torch.Tensor, n_rows: int, zero_rtol: float,
+    max_leverage: float = 0.99,
 ) -> torch.Tensor:
-    """Orthonormal basis of the kernel of L on the ``n_rows`` rows where |L q| is smallest."""
+    """Orthonormal basis of the face of a mixture q: the kernel of L on the ``n_rows`` rows where
+    |L q| is smallest, minus the rows that q owes to cancellation.
+
+    An ℓ1 optimum inside a face of k samples is a vertex: besides the rows the samples share it
+    vanishes on up to k-1 rows by cancellation, often as small as the shared ones. Each such
+    row cuts the kernel by one dimension (leverage 1), leaving a subspace that contains none
+    of the samples (measured on a FedAvg update: a 6-sample face seen as 5-dimensional, no
+    column inside); shared rows are redundant (leverage < 1), so dropping the others restores
+    the face.
+    """
     V = (L @ q).abs()
     idx = V.topk(n_rows, largest=False).indices
     Ls = L[idx]
-    vals, vecs = torch.linalg.eigh(Ls.T @ Ls)
     tol = n_rows * zero_rtol**2 / L.shape[0]
-    k = max(int((vals <= tol).sum()), 1)
+    for _ in range(2):
+        vals, vecs = torch.linalg.eigh(Ls.T @ Ls)
+        k = max(int((vals <= tol).sum()), 1)
+        rng, lam = vecs[:, k:], vals[k:]
+        lev = ((Ls @ rng) ** 2 / lam).sum(dim=1)  # leverage of each row within the range
+        keep = lev < max_leverage
+        if bool(keep.all()) or int(keep.sum()) < L.shape[1]:
+            break
+        Ls = Ls[keep]
     return vecs[:, :k]
 
 
