@@ -1,0 +1,574 @@
+"""Benchmark of the attack on DP-SGD updates (issue #3, SPEC §6): PSNR, detected B, (ε, δ).
+
+Each client update is one Opacus DP-SGD step on the whole batch (``fl_attack.simulate.local_update``
+with ``protocol="dpsgd"``): per-sample clipping at ``C`` and Gaussian noise whose std on the
+*averaged* gradient is a fraction ``f`` of the median |entry| of that batch's clipped mean
+first-layer gradient. That is how the papers chose σ ("≈ the median |gradient entry|", SPEC §6),
+so ``f = 1`` is the papers' setting and the issue's target (B = 20, m = 200: ≥ 90% of batches
+above 25 dB). The server attacks the first layer of ``relu_mlp(3072, m, 3)`` from the weights the
+client sends back: ``(W0 − W1, b0 − b1)`` with ``weight=W0, bias=b0`` (the learning rate cancels).
+Batches are real CIFAR-shaped photo crops (``data.sample_batch("photos32", B, seed)``); PSNR is
+the matched per-sample PSNR of the denormalised images (``metrics.score_batch``).
+
+    python -m experiments.bench_dp --settings 20x200 --batches 3 --max-seconds 30
+    python -m experiments.bench_dp --settings 150x4000 --clips 1 --fracs 0,1 --batches 1
+
+Writes a section per run to experiments/results/dp.md (rows are appended as they finish, so an
+interrupted run keeps what it measured). :mod:`experiments.bench_fedavg` reuses the helpers here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import fl_attack
+from fl_attack import data, metrics, models, simulate, updates
+
+DATASET = "photos32"
+RESULTS = Path(__file__).parent / "results" / "dp.md"
+PSNR_OK = 25.0  # SPEC §9: accuracy under DP / FedAvg = % of batches with mean PSNR > 25 dB
+TARGET_PCT = 90.0  # issue #3: ≥ 90% of batches above 25 dB at (B, m) = (20, 200)
+TARGET = (20, 200, 1.0)  # (B, m, f) the issue's DP target is stated for
+
+DEFAULT_SETTINGS = "20x200,150x4000"
+DEFAULT_CLIPS = "1,2"
+DEFAULT_FRACS = "0,0.01,0.1,0.5,1,2"
+
+PAPER_SPEAR_CLIP = "SPEAR: 118 dB, exact (clipping only, C ∈ [1, 2])"
+PAPER_SPEAR_NOISE = "SPEAR: ≈ 29 dB, 95–99% (σ = 1e-4 ≈ median, TinyImageNet B = 20)"
+PAPER_SPEARPP = {(20, 200): "SPEAR++: 31.9 dB, 75%", (150, 4000): "SPEAR++: 55.5 dB, 88%"}
+
+
+# --------------------------------------------------------------------------------------------
+# helpers shared with experiments.bench_fedavg
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchOutcome:
+    """What one attacked batch gave: the numbers a table row aggregates."""
+
+    psnr: float
+    """Mean matched PSNR of the batch (dB); 0 when the attack raised."""
+    detected_b: int | None
+    """Batch size read off the update's rank (None when the attack raised)."""
+    exact: bool
+    """λ = 1 with all B directions found (certified without ground truth)."""
+    seconds: float
+    """Wall time of ``fl_attack.invert`` alone."""
+    sparsity_match: float | None = None
+    error: str | None = None
+    """``Type: message`` when the attack raised instead of returning a reconstruction."""
+
+
+@dataclass
+class SettingSummary:
+    """Aggregate of the batches of one setting, as printed and written to the markdown table."""
+
+    batches: int
+    mean_psnr: float
+    pct_ok: float
+    pct_exact: float
+    detected: str
+    median_s: float
+    max_s: float
+    errors: list[str] = field(default_factory=list)
+
+
+def machine_line() -> str:
+    """One line naming the machine, torch/Opacus versions and the threads, for the results file.
+
+    ``platform.processor()`` is empty on many Linux systems; the CPU model from /proc/cpuinfo is
+    added so that seconds measured on different machines are not compared by mistake.
+    """
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")),
+                         "")
+    except OSError:
+        model = ""
+    try:
+        import opacus
+
+        opacus_v = opacus.__version__
+    except ImportError:  # only bench_dp needs Opacus
+        opacus_v = "not installed"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"machine: `platform.processor()` = {platform.processor()!r} ({cpu}"
+            f"{', ' + model if model else ''}), os.cpu_count() = {os.cpu_count()}, "
+            f"torch threads {torch.get_num_threads()}, GPU {gpu}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, Opacus {opacus_v}")
+
+
+def attack_batch(dw: torch.Tensor, db: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor,
+                 x: torch.Tensor, *, seed: int, max_seconds: float | None,
+                 device: str | None) -> BatchOutcome:
+    """Invert one update and score it against the true batch ``x`` (images in [0, 1]).
+
+    A ``ValueError``/``RuntimeError`` from the attack (e.g. a noise level at which no rank below
+    min(m, n) is detected, a failed linear solve) counts as a failed batch (0 dB) and is kept with
+    its message, so one bad batch neither stops a long run nor disappears from the table.
+    """
+    t0 = time.perf_counter()
+    try:
+        rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
+                               device=device)
+    except (ValueError, RuntimeError) as exc:
+        return BatchOutcome(psnr=0.0, detected_b=None, exact=False,
+                            seconds=time.perf_counter() - t0,
+                            error=f"{type(exc).__name__}: {exc}")
+    seconds = time.perf_counter() - t0
+    images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), DATASET)
+    score = metrics.score_batch(images, x)
+    return BatchOutcome(psnr=score.mean_psnr, detected_b=rec.batch_size, exact=rec.exact,
+                        seconds=seconds, sparsity_match=rec.sparsity_match)
+
+
+def describe_detected(values: Sequence[int | None], true_b: int) -> str:
+    """``"20 (3/3 = B)"`` or ``"19–21 (1/3 = B)"``: detected batch sizes against the true one."""
+    found = [v for v in values if v is not None]
+    hits = sum(v == true_b for v in found)
+    if not found:
+        return f"— (0/{len(values)} = B)"
+    lo, hi = min(found), max(found)
+    span = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    return f"{span} ({hits}/{len(values)} = B)"
+
+
+def summarize(outcomes: Sequence[BatchOutcome], true_b: int) -> SettingSummary:
+    """Aggregate per-batch outcomes: mean PSNR, % > 25 dB, % exact, detected B, seconds."""
+    psnrs = [o.psnr for o in outcomes]
+    secs = [o.seconds for o in outcomes]
+    return SettingSummary(
+        batches=len(outcomes),
+        mean_psnr=statistics.mean(psnrs),
+        pct_ok=metrics.batch_accuracy(psnrs, PSNR_OK),
+        pct_exact=100.0 * sum(o.exact for o in outcomes) / len(outcomes),
+        detected=describe_detected([o.detected_b for o in outcomes], true_b),
+        median_s=statistics.median(secs),
+        max_s=max(secs),
+        errors=[o.error for o in outcomes if o.error],
+    )
+
+
+def print_batch(label: str, seed: int, o: BatchOutcome, true_b: int) -> None:
+    """One progress line per batch, so that a long run shows where it is."""
+    if o.error:
+        print(f"  {label} batch {seed}: attack raised {o.error} ({o.seconds:.1f}s)", flush=True)
+        return
+    lam = "-" if o.sparsity_match is None else f"{o.sparsity_match:.4f}"
+    print(f"  {label} batch {seed}: PSNR {o.psnr:6.1f}  B̂={o.detected_b}/{true_b}  λ={lam}  "
+          f"exact={o.exact}  {o.seconds:.1f}s", flush=True)
+
+
+def parse_list(text: str, kind: type[float] | type[int], what: str) -> list:
+    """Comma-separated numbers → list, with an argparse-friendly error naming the option."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{what}: cannot parse {text!r} ({exc})") from exc
+    if not values:
+        raise argparse.ArgumentTypeError(f"{what}: empty list")
+    return values
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """``"20x200,150x4000"`` → ``[(20, 200), (150, 4000)]``."""
+    out = []
+    for item in text.split(","):
+        try:
+            b, m = (int(v) for v in item.lower().split("x"))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--settings: {item!r} is not BxM") from exc
+        if b < 1 or m < 1:
+            raise argparse.ArgumentTypeError(f"--settings: {item!r} needs B, m >= 1")
+        out.append((b, m))
+    return out
+
+
+def fmt_num(v: float) -> str:
+    """Compact number for the tables (∞ for infinity, 3 significant digits otherwise)."""
+    if math.isinf(v):
+        return "∞"
+    return f"{v:.3g}"
+
+
+def open_results(path: Path, title: str, intro: str, section: Iterable[str]) -> None:
+    """Create ``path`` with ``title``/``intro`` if new, then append this run's section header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        if fh.tell() == 0:
+            fh.write(f"# {title}\n\n{intro}\n")
+        fh.write("\n" + "\n".join(section) + "\n")
+
+
+def append(path: Path, text: str) -> None:
+    """Append ``text`` (a row or a note) to the results file right away."""
+    with path.open("a") as fh:
+        fh.write(text + "\n")
+
+
+def table_rule(header: str) -> str:
+    """The markdown separator row for ``header`` (escaped ``\\|`` inside a cell is no column)."""
+    return "|" + "---|" * (header.replace("\\|", "").count("|") - 1)
+
+
+def verdict(pcts: Sequence[float]) -> str:
+    """**met** / **not met** for the issue's ≥ 90%-above-25-dB target over the given rows."""
+    return "**met**" if pcts and min(pcts) >= TARGET_PCT else "**not met**"
+
+
+# --------------------------------------------------------------------------------------------
+# DP-SGD benchmark
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DpUpdate:
+    """One client's DP-SGD update and the DP parameters it was produced with."""
+
+    dw: torch.Tensor
+    db: torch.Tensor
+    w0: torch.Tensor
+    b0: torch.Tensor
+    median: float
+    """Median |entry| of the clipped (noise-free) mean first-layer gradient."""
+    noise_std: float
+    """Std of the noise on the averaged gradient (Opacus: noise_multiplier · C / B)."""
+    noise_multiplier: float
+    epsilon: float
+    delta: float
+    signal_to_edge: float
+    """B-th singular value of the clean clipped mean gradient over the noise's spectral edge
+    σ(√m + √n): below ~1 the B-th direction sinks into the noise bulk, so B cannot be read off
+    the spectrum (the attack counts singular values above ``rank_margin`` = 2 x that edge)."""
+
+
+def clipped_fraction(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor,
+                     clip: float) -> float:
+    """Fraction of samples whose per-sample gradient norm (all parameters) exceeds ``clip``.
+
+    Opacus clips the flat per-sample gradient over all parameters; when no sample exceeds ``C`` the
+    clipping leaves the update unchanged, which tells whether ``C`` matters in a row.
+    """
+    loss_fn = torch.nn.CrossEntropyLoss()
+    params = [p for p in model.parameters() if p.requires_grad]
+    above = 0
+    for i in range(xn.shape[0]):
+        grads = torch.autograd.grad(loss_fn(model(xn[i:i + 1]), y[i:i + 1]), params)
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        above += int(float(norm) > clip)
+    return above / xn.shape[0]
+
+
+ENGINES = ("auto", "opacus", "ghost")
+GHOST_ABOVE_BYTES = 2 * 1024**3
+"""``engine="auto"`` switches to ghost clipping when Opacus' per-sample gradients would need more."""
+
+
+def choose_engine(model: torch.nn.Module, batch_size: int, requested: str) -> str:
+    """``"opacus"`` (``simulate.local_update``) or ``"ghost"`` (Opacus ghost clipping).
+
+    Opacus' ``GradSampleModule`` (what ``simulate.local_update`` uses) materialises every sample's
+    gradient: B × (#parameters) floats, ≈ 27 GB for B = 150 and ``relu_mlp(3072, 4000, 3)``
+    (44 M parameters), more than a small machine has. Ghost clipping computes the same per-sample
+    norms without them (see :func:`ghost_dp_step`), so ``auto`` uses it above
+    :data:`GHOST_ABOVE_BYTES`.
+    """
+    if requested != "auto":
+        return requested
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    need = batch_size * n_params * torch.finfo(torch.float32).bits // 8
+    return "ghost" if need > GHOST_ABOVE_BYTES else "opacus"
+
+
+def ghost_dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, clip: float,
+                  noise_multiplier: float, lr: float, delta: float,
+                  seed: int) -> simulate.LocalTrainingResult:
+    """One full-batch DP-SGD step with Opacus' ghost clipping, the same update as
+    ``simulate.local_update(protocol="dpsgd")`` without per-sample gradients in memory.
+
+    Same clipping (flat over all parameters, factor ``min(1, C / (‖g_i‖ + 1e-6))``), same noise
+    (``DPOptimizer`` seeded with ``seed``: std ``noise_multiplier · C`` on the summed gradient,
+    then divided by B) and the same RDP accountant and α grid for ε. Checked against
+    ``local_update`` at B = 20, m = 200: the first-layer updates agree to one float32 ulp of W
+    (1.9e-9), with and without noise.
+    """
+    from opacus.accountants import RDPAccountant
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    local = copy.deepcopy(model)
+    local.train()
+    B = int(xn.shape[0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Full backward hook is firing")
+        gsm = GradSampleModuleFastGradientClipping(local, batch_first=True, loss_reduction="mean",
+                                                   max_grad_norm=clip, use_ghost_clipping=True)
+        optimizer = DPOptimizerFastGradientClipping(
+            torch.optim.SGD(gsm.parameters(), lr=lr), noise_multiplier=noise_multiplier,
+            max_grad_norm=clip, expected_batch_size=B, loss_reduction="mean",
+            generator=torch.Generator().manual_seed(seed), secure_mode=False)
+        criterion = DPLossFastGradientClipping(gsm, optimizer, torch.nn.CrossEntropyLoss(),
+                                               loss_reduction="mean")
+        optimizer.zero_grad(set_to_none=True)
+        criterion(gsm(xn), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    state = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
+    for k, v in state.items():
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"DP-SGD produced non-finite weights in {k!r} (lr too large?)")
+    epsilon = math.inf
+    if noise_multiplier > 0:
+        accountant = RDPAccountant()
+        accountant.step(noise_multiplier=noise_multiplier, sample_rate=1.0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
+            # the α grid local_update uses, so both engines quote the same ε
+            epsilon = float(accountant.get_epsilon(delta=delta, alphas=simulate._RDP_ALPHAS))
+    return simulate.LocalTrainingResult(state_dict=state, num_examples=B, steps=1,
+                                        epsilon=epsilon, delta=delta,
+                                        noise_std=noise_multiplier * clip / B)
+
+
+def dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, engine: str,
+            clip: float, noise_multiplier: float, lr: float, delta: float,
+            seed: int) -> simulate.LocalTrainingResult:
+    """One full-batch DP-SGD step with the chosen engine (see :func:`choose_engine`)."""
+    if engine == "ghost":
+        return ghost_dp_step(model, xn, y, clip=clip, noise_multiplier=noise_multiplier, lr=lr,
+                             delta=delta, seed=seed)
+    return simulate.local_update(model, xn, y, protocol="dpsgd", lr=lr, max_grad_norm=clip,
+                                 noise_multiplier=noise_multiplier, delta=delta, seed=seed)
+
+
+def dp_updates(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, clip: float,
+               fracs: Sequence[float], lr: float, delta: float, seed: int,
+               engine: str = "opacus") -> dict[float, DpUpdate]:
+    """The DP-SGD updates of one batch for every noise fraction ``f`` in ``fracs``.
+
+    The noise-free clipped step is run first: its first-layer weight delta over ``lr`` is the
+    clipped mean gradient, whose median |entry| sets σ = f · median. ``f = 0`` reuses that step.
+    """
+    common = dict(engine=engine, clip=clip, lr=lr, delta=delta, seed=seed)
+    clean = dp_step(model, xn, y, noise_multiplier=0.0, **common)
+    w0_state = model.state_dict()
+    dw, db, w0, b0 = updates.weight_update_pair(w0_state, clean.state_dict)
+    median = float(dw.abs().median()) / lr
+    out: dict[float, DpUpdate] = {}
+    B = xn.shape[0]
+    m, n = dw.shape
+    sv_b = float(torch.linalg.svdvals(dw / lr)[B - 1]) if B <= min(m, n) else 0.0
+    for f in fracs:
+        if f == 0:
+            assert clean.epsilon is not None and clean.delta is not None
+            out[f] = DpUpdate(dw, db, w0, b0, median, 0.0, 0.0, clean.epsilon, clean.delta,
+                              math.inf)
+            continue
+        nm = simulate.noise_multiplier_for_std(f * median, clip, B)
+        res = dp_step(model, xn, y, noise_multiplier=nm, **common)
+        assert res.noise_std is not None and res.epsilon is not None and res.delta is not None
+        if not math.isclose(res.noise_std, f * median, rel_tol=1e-9):
+            raise RuntimeError(f"Opacus noise std {res.noise_std} != f·median {f * median}")
+        dwn, dbn, _, _ = updates.weight_update_pair(w0_state, res.state_dict)
+        edge = res.noise_std * (math.sqrt(m) + math.sqrt(n))
+        out[f] = DpUpdate(dwn, dbn, w0, b0, median, res.noise_std, nm, res.epsilon, res.delta,
+                          sv_b / edge)
+    return out
+
+
+def paper_dp(B: int, m: int, f: float) -> str:
+    """The papers' reference numbers for a row (SPEC §6), or — where they quote none."""
+    if f == 0:
+        return PAPER_SPEAR_CLIP
+    if f == 1:
+        parts = [PAPER_SPEAR_NOISE] if B == 20 else []
+        if (B, m) in PAPER_SPEARPP:
+            parts.append(PAPER_SPEARPP[(B, m)] + " (σ lost, ≈ median)")
+        return "; ".join(parts) or "—"
+    return "—"
+
+
+DP_HEADER = ("| B | m | C | f = σ / median | batches | mean PSNR | % > 25 dB | % exact (λ=1) | "
+             "detected B | clipped samples % | median \\|grad\\| | σ on mean grad (median) | "
+             "noise multiplier (median) | ε (median, δ) | s_B / noise edge (median) | DP engine | median s | max s | setting wall s | "
+             "papers (SPEC §6) |")
+
+
+DP_RULE = table_rule(DP_HEADER)
+
+
+def run_dp(settings: Sequence[tuple[int, int]], clips: Sequence[float], fracs: Sequence[float],
+           batches: int, first_seed: int, max_seconds: float | None, lr: float, delta: float,
+           device: str | None, out: Path,
+           engine: str = "auto") -> list[tuple[int, int, float, float, SettingSummary]]:
+    """Run the grid, printing and appending one row per (B, m, C, f); return the summaries."""
+    rows = []
+    for B, m in settings:
+        for clip in clips:
+            per_f: dict[float, list[BatchOutcome]] = {f: [] for f in fracs}
+            info: dict[float, list[DpUpdate]] = {f: [] for f in fracs}
+            wall = dict.fromkeys(fracs, 0.0)
+            clipped = []
+            for seed in range(first_seed, first_seed + batches):
+                t0 = time.perf_counter()
+                x, y = data.sample_batch(DATASET, B, seed=seed)
+                xn = data.normalize(x, DATASET)
+                model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
+                used = choose_engine(model, B, engine)
+                clipped.append(clipped_fraction(model, xn, y, clip))
+                ups = dp_updates(model, xn, y, clip=clip, fracs=fracs, lr=lr, delta=delta,
+                                 seed=seed, engine=used)
+                prep = (time.perf_counter() - t0) / len(fracs)  # shared cost, split evenly
+                for f in fracs:
+                    t1 = time.perf_counter()
+                    u = ups[f]
+                    o = attack_batch(u.dw, u.db, u.w0, u.b0, x, seed=seed,
+                                     max_seconds=max_seconds, device=device)
+                    wall[f] += prep + time.perf_counter() - t1
+                    per_f[f].append(o)
+                    info[f].append(u)
+                    print_batch(f"B={B} m={m} C={clip:g} f={f:g}", seed, o, B)
+            for f in fracs:
+                s = summarize(per_f[f], B)
+                us = info[f]
+                eps = statistics.median(u.epsilon for u in us)
+                row = (f"| {B} | {m} | {clip:g} | {f:g} | {s.batches} | {s.mean_psnr:.1f} | "
+                       f"{s.pct_ok:.0f} | {s.pct_exact:.0f} | {s.detected} | "
+                       f"{100 * statistics.mean(clipped):.0f} | "
+                       f"{statistics.median(u.median for u in us):.3g} | "
+                       f"{fmt_num(statistics.median(u.noise_std for u in us))} | "
+                       f"{fmt_num(statistics.median(u.noise_multiplier for u in us))} | "
+                       f"{fmt_num(eps)} ({us[0].delta:g}) | "
+                       f"{fmt_num(statistics.median(u.signal_to_edge for u in us))} | {used} | {s.median_s:.1f} | {s.max_s:.1f} | "
+                       f"{wall[f]:.0f} | {paper_dp(B, m, f)} |")
+                print(row, flush=True)
+                append(out, row)
+                for err in s.errors:
+                    print(f"  error: {err}", flush=True)
+                rows.append((B, m, clip, f, s))
+    return rows
+
+
+def dp_conclusion(rows: Sequence[tuple[int, int, float, float, SettingSummary]],
+                  max_seconds: float | None) -> list[str]:
+    """The notes under a run's table: errors, the issue target met or not."""
+    lines = [""]
+    errs = [(B, m, c, f, e) for B, m, c, f, s in rows for e in s.errors]
+    for B, m, c, f, e in errs:
+        lines.append(f"- attack raised at B={B}, m={m}, C={c:g}, f={f:g}: `{e}` (scored 0 dB)")
+    tb, tm, tf = TARGET
+    hits = [(c, s.pct_ok) for B, m, c, f, s in rows if (B, m, f) == (tb, tm, tf)]
+    if hits:
+        detail = ", ".join(f"C = {c:g}: {p:.0f}%" for c, p in hits)
+        lines.append(f"- Issue #3 target, B = {tb}, m = {tm}, noise σ = median |gradient entry| "
+                     f"(f = 1) → ≥ {TARGET_PCT:.0f}% of batches above {PSNR_OK:.0f} dB: "
+                     f"{verdict([p for _, p in hits])} ({detail}; max_seconds {max_seconds}).")
+    else:
+        lines.append(f"- Issue #3 target (B = {tb}, m = {tm}, f = 1): **not measured** in this "
+                     "run.")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the grid, run it and write the markdown section."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS),
+                        help=f"comma-separated BxM (default {DEFAULT_SETTINGS})")
+    parser.add_argument("--clips", type=lambda t: parse_list(t, float, "--clips"),
+                        default=parse_list(DEFAULT_CLIPS, float, "--clips"),
+                        help=f"per-sample clipping norms C (default {DEFAULT_CLIPS})")
+    parser.add_argument("--fracs", type=lambda t: parse_list(t, float, "--fracs"),
+                        default=parse_list(DEFAULT_FRACS, float, "--fracs"),
+                        help=f"noise std / median |clipped mean gradient entry| (default "
+                             f"{DEFAULT_FRACS})")
+    parser.add_argument("--batches", type=int, default=3, help="batches per setting (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seed of the first batch (batches use consecutive seeds)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="per-batch budget passed to fl_attack.invert (default: none)")
+    parser.add_argument("--lr", type=float, default=0.1, help="client learning rate (cancels)")
+    parser.add_argument("--delta", type=float, default=1e-5, help="δ the accountant quotes ε for")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="DP-SGD implementation: opacus = simulate.local_update (per-sample "
+                             "gradients), ghost = Opacus ghost clipping (same update, little "
+                             "memory), auto = ghost only where per-sample gradients exceed 2 GiB")
+    parser.add_argument("--device", default=None, help="attack device (default: cuda if any)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results file ({RESULTS})")
+    args = parser.parse_args(argv)
+    if args.batches < 1:
+        parser.error("--batches must be >= 1")
+    if any(c <= 0 for c in args.clips) or any(f < 0 for f in args.fracs):
+        parser.error("--clips must be > 0 and --fracs >= 0")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        parser.error("--max-seconds must be > 0")
+
+    started = dt.datetime.now(dt.timezone.utc)
+    cmd = "python -m experiments.bench_dp " + " ".join(sys.argv[1:] if argv is None else argv)
+    section = [
+        f"## {started:%Y-%m-%d %H:%M} UTC — `{cmd.strip()}`",
+        "",
+        machine_line() + ".",
+        "",
+        f"One Opacus DP-SGD step on the whole batch (sample rate 1, so no subsampling "
+        f"amplification), lr {args.lr:g}, δ = {args.delta:g}; σ = f · median |entry| of that "
+        f"batch's clipped mean first-layer gradient; attack: default `fl_attack.invert`, "
+        f"max_seconds {args.max_seconds} per batch; {args.batches} batch(es) per setting "
+        f"(seeds {args.first_seed}..{args.first_seed + args.batches - 1}).",
+        "",
+        DP_HEADER,
+        DP_RULE,
+    ]
+    intro = (
+        "Attack on DP-SGD client updates (SPEC §6). Real CIFAR-shaped photo crops (`photos32`), "
+        "first layer of `relu_mlp(3072, m, 3)`, one Opacus DP-SGD step on the whole batch with "
+        "per-sample clipping C and Gaussian noise of std σ = f · (median |entry| of the clipped "
+        "mean first-layer gradient) on the averaged gradient — the papers chose σ around that "
+        "median. The server attacks (W0 − W1, b0 − b1) with weight = W0, bias = b0. Columns: "
+        "mean matched PSNR (dB) of the denormalised images; % of batches with mean PSNR > 25 dB "
+        "(SPEC §9); % certified exact (λ = 1); detected B (range, and how many batches gave the "
+        "true B); % of samples whose per-sample gradient norm exceeds C; median |clipped mean "
+        "gradient entry|; σ; Opacus noise multiplier σ·B/C; ε the Opacus RDP accountant reports "
+        "for the step at δ; s_B / noise edge: the B-th singular value of the clean clipped mean "
+        "gradient over σ(√m + √n), the edge of the noise's singular values (the attack reads B "
+        "off the singular values above 2 x that edge, so below ~2 the true B cannot be "
+        "detected); DP engine (`opacus`: `simulate.local_update`, Opacus per-sample "
+        "gradients; `ghost`: Opacus ghost clipping, the same update without per-sample "
+        "gradients in memory, used where those would exceed 2 GiB); seconds of `invert` per "
+        "batch; the setting's wall time (updates + attacks). Produced by "
+        "`python -m experiments.bench_dp`.\n\n"
+        "Papers (SPEC §6): SPEAR (TinyImageNet, B = 20): clipping alone → 118 dB (exact); "
+        "σ = 1e-4 ≈ median |gradient entry| → ≈ 29 dB, 95–99% above 25 dB. SPEAR++ (CIFAR-10): "
+        "B = 20, m = 200 → 31.9 dB, 75%; B = 150, m = 4000 → 55.5 dB, 88% (noise level lost; "
+        "chosen around the median, shown here next to f = 1).")
+    open_results(args.out, "DP-SGD benchmark (issue #3)", intro, section)
+    t0 = time.perf_counter()
+    rows = run_dp(args.settings, args.clips, args.fracs, args.batches, args.first_seed,
+                  args.max_seconds, args.lr, args.delta, args.device, args.out, args.engine)
+    notes = dp_conclusion(rows, args.max_seconds)
+    notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
+    for line in notes:
+        print(line)
+    append(args.out, "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()
