@@ -1,0 +1,201 @@
+"""Other layers (SPEC §8, issue #3 item 4): inverting a layer through its sparse *inputs*.
+
+A hidden layer of a ReLU MLP sits between two ReLUs: its output gradients ∂L/∂z are sparse (the
+ReLU after it, ``sparse="output"``) and so are its inputs x (the ReLU before it,
+``sparse="input"``, :mod:`fl_attack.input_layer`); ``"auto"`` tries the output side, then the
+input side. Everything here runs on real batches (photo crops, MNIST digits) through
+:func:`fl_attack.models.relu_mlp`, and every reconstruction is scored against the layer's true
+inputs (:func:`fl_attack.models.layer_inputs`) after optimal matching. "Exact" means a relative
+error at the level of float32 rounding of the shared gradient (measured ≤ 4e-5; a wrong sample
+is off by 0.1-100), hence the 1e-4 bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import fl_attack
+from fl_attack import data, metrics, models
+
+WIDTH = 200
+EXACT_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: the test machine has 2 shared cores, and oversubscribed OpenMP threads
+    make the same attack many times slower (see tests/test_tabular_attack.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _layer_problem(
+    name: str, B: int, layer: int, seed: int, model: nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A client's FedSGD gradient of ``linear_layers(model)[layer]`` on a real batch.
+
+    Returns ``(G, g, W, b, X)``: the float32 weight and bias gradients the client shares, the
+    layer's parameters, and the true inputs of that layer (float64) to score against.
+    """
+    x, y = data.sample_batch(name, B, seed=seed)
+    xn = data.normalize(x, name)
+    if model is None:
+        model = models.relu_mlp(xn[0].numel(), WIDTH, 3, seed=seed)
+    G, g = models.layer_gradients(model, xn, y, layer=layer)
+    lin = models.linear_layers(model)[layer]
+    X = models.layer_inputs(model, xn, layer=layer).double()
+    return G, g, lin.weight.detach(), lin.bias.detach(), X
+
+
+def _matched_rel_errors(rec: fl_attack.Reconstruction, X: torch.Tensor) -> torch.Tensor:
+    """Per true input: ``‖x̂ − x‖ / ‖x‖`` after the optimal assignment (inf if unmatched)."""
+    perm = metrics.match(rec.inputs, X)
+    R = rec.inputs.double()[perm.clamp_min(0)]
+    rel = (R - X).norm(dim=1) / X.norm(dim=1).clamp_min(1e-300)
+    rel[perm < 0] = float("inf")
+    return rel
+
+
+def _nearest_rel_errors(rec: fl_attack.Reconstruction, X: torch.Tensor) -> torch.Tensor:
+    """Per true input: relative error of the closest recovered row (no one-to-one matching).
+
+    Used to count correct samples of a partial result, where the assignment can pair a spurious
+    row with a true input and push the displaced rows one slot along.
+    """
+    R = rec.inputs.double()
+    return torch.cdist(X, R).min(dim=1).values / X.norm(dim=1).clamp_min(1e-300)
+
+
+def _assert_exact(rec: fl_attack.Reconstruction, X: torch.Tensor, side: str) -> None:
+    B = X.shape[0]
+    assert rec.config is not None and rec.config.sparse == side
+    assert rec.batch_size == B and rec.n_directions == B and rec.inputs.shape == X.shape
+    assert rec.exact and rec.sparsity_match == 1.0, rec.as_dict()
+    rel = _matched_rel_errors(rec, X)
+    assert float(rel.max()) < EXACT_RTOL, rel
+
+
+@pytest.mark.parametrize(("name", "seed"), [("photos32", 1), ("mnist", 0)])
+def test_middle_layer_both_sides_exact(name: str, seed: int) -> None:
+    """Layer 2 (between two ReLUs), B = 10: the output side, the input side and ``"auto"`` all
+    recover the layer's inputs exactly and certify it; ``"auto"`` stops at the output side."""
+    G, g, W, b, X = _layer_problem(name, 10, 1, seed)
+    out = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="output")
+    _assert_exact(out, X, "output")
+    inp = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="input")
+    _assert_exact(inp, X, "input")
+    auto = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="auto")
+    _assert_exact(auto, X, "output")
+    assert "other_side" not in auto.timings  # the input side was not needed
+
+
+@pytest.mark.parametrize(
+    ("name", "B", "layer", "seed"),
+    [("mnist", 20, 1, 2), ("mnist", 20, 2, 2), ("photos32", 10, 2, 1), ("photos32", 20, 1, 2)],
+)
+def test_input_side_exact_on_layers_2_and_3(name: str, B: int, layer: int, seed: int) -> None:
+    """``sparse="input"`` on layers 2 and 3 (indices 1, 2) recovers every input exactly.
+
+    The photo crops at B = 20 are the hard case (samples share most of their ReLU pattern):
+    this seed is certified, see :func:`test_input_side_photos_b20_certificate_is_sound` for
+    the others.
+    """
+    G, g, W, b, X = _layer_problem(name, B, layer, seed)
+    assert float((X == 0).double().mean()) > 0.3  # the premise: post-ReLU inputs are sparse
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="input")
+    _assert_exact(rec, X, "input")
+    assert rec.column_match is not None and bool((rec.column_match == 1.0).all())
+
+
+def test_input_side_photos_b20_certificate_is_sound() -> None:
+    """Photos, B = 20, layer 2, the first four seeds (not hand-picked).
+
+    Measured: 2/4 batches certified. In the other two the search finds 19 of the 20 inputs (a
+    sample whose zero set nearly coincides with another's — e.g. 95 of its 100 zeros shared —
+    is never reached) and the 20th row is a spurious mixture. Those batches must not be
+    certified, yet each true input recovered is exact: in input mode x_i = L' q_i / (q_iᵀ t)
+    depends on its own column only.
+    """
+    certified = 0
+    for seed in range(4):
+        G, g, W, b, X = _layer_problem("photos32", 20, 1, seed)
+        rec = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="input")
+        rel = _matched_rel_errors(rec, X)
+        good = int((_nearest_rel_errors(rec, X) < EXACT_RTOL).sum())
+        if rec.exact:
+            certified += 1
+            assert rec.sparsity_match == 1.0
+            assert float(rel.max()) < EXACT_RTOL, f"certified but not exact (seed {seed})"
+        else:
+            assert rec.sparsity_match is not None and rec.sparsity_match < 1.0
+            assert float(rel.max()) > EXACT_RTOL  # the certificate was right to refuse
+        assert good >= 19, f"seed {seed}: only {good}/20 inputs recovered"
+    assert certified >= 2, f"only {certified}/4 batches certified exact"
+
+
+def test_auto_falls_back_to_the_input_side() -> None:
+    """A narrow layer (200 → 50) at B = 20: several samples have fewer than B − 1 zeros in
+    ∂L/∂z, so no sparsity attack can single them out on the output side; their 200-dim inputs
+    are sparse enough, and ``"auto"`` returns the exact input-side result."""
+    seed, B = 0, 20
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, WIDTH), nn.ReLU(),
+                              nn.Linear(WIDTH, 50), nn.ReLU(), nn.Linear(50, 10))
+    G, g, W, b, X = _layer_problem("mnist", B, 1, seed, model=model)
+    Z = X @ W.double().T + b.double()
+    assert int((Z <= 0).sum(dim=1).min()) < B - 1  # the premise: the output side cannot work
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="auto")
+    _assert_exact(rec, X, "input")
+    assert rec.timings.get("other_side", 0.0) > 0.0  # the output side was tried first
+
+
+def test_output_layer_inputs_recovered_but_not_certified() -> None:
+    """The logits layer is preceded by a ReLU but not followed by one: the input side still
+    recovers its inputs (B = 5 < 10 classes), but the ReLU-pattern certificate does not apply,
+    so λ < 1 and nothing is marked exact (module docstring of fl_attack.input_layer)."""
+    G, g, W, b, X = _layer_problem("mnist", 5, 3, 1)
+    assert G.shape == (10, WIDTH)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, sparse="input")
+    assert rec.n_directions == 5
+    assert not rec.exact
+    assert rec.sparsity_match is not None and rec.sparsity_match < 1.0
+    assert float(_matched_rel_errors(rec, X).max()) < EXACT_RTOL
+
+
+def test_input_side_never_certifies_dense_inputs() -> None:
+    """Layer 1 sees normalised pixels: signed, dense, not ReLU outputs. The input side has
+    nothing sparse to find and must not claim an exact result."""
+    G, g, W, b, X = _layer_problem("photos32", 10, 0, 0)
+    assert float((X < 0).double().mean()) > 0.1
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, sparse="input", max_rounds=1)
+    assert not rec.exact
+    assert float(_matched_rel_errors(rec, X).max()) > 1e-2
+
+
+def test_bad_input_raises_clear_errors() -> None:
+    """B ≥ the layer's width, NaN gradients and an unknown side are rejected with ValueError."""
+    x, y = data.sample_batch("mnist", 12, seed=0)
+    model = models.relu_mlp(784, 8, 3, seed=0)  # layer 2 is Linear(8, 8): 12 samples > 8
+    G, g = models.layer_gradients(model, data.normalize(x, "mnist"), y, layer=1)
+    lin = models.linear_layers(model)[1]
+    W, b = lin.weight.detach(), lin.bias.detach()
+    with pytest.raises(ValueError, match=r"sparse='input'.*B >= min\(m, n\)"):
+        fl_attack.invert(G, g, weight=W, bias=b, sparse="input")
+    with pytest.raises(ValueError, match=r"B >= min\(m, n\)"):
+        fl_attack.invert(G, g, weight=W, bias=b, sparse="auto")
+    bad = G.clone()
+    bad[3, 5] = float("nan")
+    for side in ("input", "auto"):
+        with pytest.raises(ValueError, match="non-finite"):
+            fl_attack.invert(bad, g, weight=W, bias=b, sparse=side)
+    with pytest.raises(ValueError, match="bias_grad"):
+        fl_attack.invert(G, g[:-1], weight=W, bias=b, sparse="input")
+    with pytest.raises(ValueError, match="unknown sparse"):
+        fl_attack.invert(G, g, sparse="inputs")
