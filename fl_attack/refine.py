@@ -138,6 +138,13 @@ def conditional_directions(
     if F == 0 or B < 3:
         return torch.empty(B, 0, dtype=L.dtype, device=L.device)
     zmask = zero_mask(L @ found, zero_rtol)  # (m, F)
+    # the restricted problem needs B-1 zero rows to have a (B-1)-dim range (narrow layers can
+    # have pool columns with fewer zeros)
+    enough = zmask.sum(dim=0) >= B - 1
+    if not bool(enough.any()):
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    found, zmask = found[:, enough], zmask[:, enough]
+    F = found.shape[1]
     zmax = int(zmask.sum(dim=0).max())
     order = torch.argsort((~zmask).to(torch.int8), dim=0, stable=True)[:zmax]  # zero rows first
     rows_ok = zmask.gather(0, order)  # (zmax, F)

@@ -156,6 +156,20 @@ def test_auto_falls_back_to_the_input_side() -> None:
     assert rec.timings.get("other_side", 0.0) > 0.0  # the output side was tried first
 
 
+def test_auto_on_a_very_narrow_layer_does_not_crash() -> None:
+    """Regression: a 200 → 30 layer at B = 20 let pool columns with fewer than B − 1 zeros
+    into the output side's neighbour search, which crashed (a (B-1)-dim range was assumed);
+    ``"auto"`` must get past the output side and return the exact input-side batch."""
+    seed, B = 0, 20
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, WIDTH), nn.ReLU(),
+                              nn.Linear(WIDTH, 30), nn.ReLU(), nn.Linear(30, 10))
+    G, g, W, b, X = _layer_problem("mnist", B, 1, seed, model=model)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=seed, sparse="auto")
+    _assert_exact(rec, X, "input")
+
+
 def test_output_layer_inputs_recovered_but_not_certified() -> None:
     """The logits layer is preceded by a ReLU but not followed by one: the input side still
     recovers its inputs (B = 5 < 10 classes), but the ReLU-pattern certificate does not apply,
