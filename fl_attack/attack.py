@@ -190,6 +190,8 @@ class _Search:
         self.lambda_stop = cfg.lambda_stop or (0.98 if noisy else 1.0)
         self.faces_seen: set[bytes] = set()
         self.samples = 0
+        self.trusted: torch.Tensor | None = None
+        """Columns believed right so far; later rounds search their complement."""
 
     def _tick(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
@@ -225,9 +227,17 @@ class _Search:
         K = cfg.n_init or max(256, 20 * B)
         dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
         L = self.dec.L.to(dtype)
-        init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
-                                    device=self.device)
         t0 = time.perf_counter()
+        # after the first round, start only orthogonal to the columns found so far
+        trusted = self.trusted if cfg.deflate and self.rounds > 1 else None
+        deflate = trusted is not None and 0 < trusted.shape[1] < B
+        if deflate:
+            assert trusted is not None
+            init = search.random_complement(trusted, K, generator=self.generator, dtype=dtype,
+                                            device=self.device)
+        else:
+            init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
+                                        device=self.device)
         optimizer = cfg.optimizer
         if cfg.alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
             optimizer = "pgd" if optimizer == "radam" else "radam"
@@ -236,6 +246,15 @@ class _Search:
             L, init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
             milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
         )
+        Qopt = filtering.normalize_columns(Qopt.double())
+        Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima
+        irls = cfg.irls if cfg.irls is not None else self.dec.L.shape[0] >= 500
+        if cfg.polish and irls and deflate:
+            self._tick("search", t0)
+            t0 = time.perf_counter()
+            Qopt = torch.cat([Qopt, polish.irls_round(self.dec.L, Qopt)], dim=1)
+            self._tick("irls", t0)
+            t0 = time.perf_counter()
         self._tick("search", t0)
         t0 = time.perf_counter()
         if cfg.polish:
@@ -312,17 +331,17 @@ class _Search:
             self._add(Qp, zeros, lev)
 
     def _complete(self, Q: torch.Tensor, count: int) -> bool:
-        """Try the exact completion of 1-2 missing columns (SPEAR++ only needs W and b)."""
+        """Try the exact completion of 1-3 missing columns (needs only W and b, see refine)."""
         missing = self.B - count
-        if missing not in (1, 2) or self.system.WR is None or not self.cfg.polish:
+        if missing not in (1, 2, 3) or self.system.WR is None or not self.cfg.polish:
             return False
         if (missing, count) in self.completed:
             return False
         self.completed.add((missing, count))
         t0 = time.perf_counter()
-        complete = refine.complete_one_missing if missing == 1 else refine.complete_two_missing
-        Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias,
-                      Q[:, :count], zero_rtol=self.system.zero_rtol)
+        Qc = refine.complete_missing(self.dec.L, self.dec.R, self.system.weight,
+                                     self.system.bias, Q[:, :count], self.system.t,
+                                     zero_rtol=self.system.zero_rtol)
         if Qc.shape[1]:
             Qp, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
                                               zero_rtol=self.system.zero_rtol)
@@ -335,6 +354,9 @@ class _Search:
         t0 = time.perf_counter()
         Q, count, _ = self._select()
         self.match = select.sparsity_match(Q, self.system) if count == self.B else None
+        self.trusted = Q[:, :count]
+        if self.match is not None:  # with a full basis, trust the columns whose patterns match
+            self.trusted = Q[:, self.match.per_column >= self.dec.L.shape[0]]
         self._tick("select", t0)
         done = count == self.B and (self.match is None or self.match.value >= self.lambda_stop)
         return Q, count, done
@@ -394,9 +416,9 @@ class _Search:
         t0 = time.perf_counter()
         good = torch.ones(self.B, dtype=torch.bool, device=Q.device)
         good[bad] = False
-        complete = refine.complete_one_missing if bad.numel() == 1 else refine.complete_two_missing
-        Qc = complete(self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, good],
-                      zero_rtol=self.system.zero_rtol)
+        Qc = refine.complete_missing(self.dec.L, self.dec.R, self.system.weight,
+                                     self.system.bias, Q[:, good], self.system.t,
+                                     zero_rtol=self.system.zero_rtol)
         best_Q, best = Q, self.match
         if Qc.shape[1]:
             Qc, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),

@@ -20,7 +20,8 @@ def masked_gram_eigh(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigen-decompositions of Lᵀ diag(mask_k) L for each column k of ``mask`` (m, K).
 
-    Returns (eigenvalues (K, B) ascending, eigenvectors (K, B, B)), float64.
+    ``mask`` is boolean (row subsets) or real (row weights). Returns (eigenvalues (K, B)
+    ascending, eigenvectors (K, B, B)) in L's dtype.
     """
     m, B = L.shape
     K = mask.shape[1]
@@ -110,3 +111,37 @@ def polish(
     lev = max_leverage(L, Q, mask)
     lev[kdim > 1] = 1.0  # still inside a face: a mixture of samples, not a column
     return Q, mask.sum(dim=0), face_dim, lev
+
+
+def irls_round(
+    L: torch.Tensor,
+    Q: torch.Tensor,
+    *,
+    iters: int = 12,
+    eps0: float = 0.3,
+    decay: float = 0.6,
+) -> torch.Tensor:
+    """Push approximate directions ``Q`` (B, K) to the sparsest direction nearby (B, K), unit.
+
+    On real data a true column is often *not* a local minimum of ℓ1: a sample with a similar
+    ReLU pattern offers a descent direction, so the optimiser stops a few degrees away (cos
+    0.97-0.997) and its smallest entries include rows that are not zeros, which defeats the
+    rounding by kernels. Iteratively reweighted least squares for ℓ0 (weights 1/(v² + ε²) with
+    ε shrinking from ``eps0`` x the column's median |entry|) drives each direction to the nearby
+    direction with the most exact zeros instead. Measured on real photo batches at B = 65,
+    m = 1000: 15 of 17 columns missed by ℓ1 + rounding recovered exactly.
+    Each iteration is one batched weighted Gram eigendecomposition, O(K m B²).
+    """
+    L = L.double()
+    Q = Q.to(L.dtype)
+    Q = Q / Q.norm(dim=0, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
+    for t in range(iters):
+        V = L @ Q
+        eps = (eps0 * decay**t) * V.abs().median(dim=0).values.clamp_min(torch.finfo(L.dtype).tiny)
+        w = 1.0 / (V.square() + eps[None].square())
+        w = w / w.amax(dim=0, keepdim=True)
+        _, vecs = masked_gram_eigh(L, w)
+        Qn = vecs[:, :, 0].T
+        sign = torch.sign((Qn * Q).sum(dim=0))
+        Q = Qn * torch.where(sign == 0, torch.ones_like(sign), sign)
+    return Q

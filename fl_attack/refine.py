@@ -178,78 +178,94 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> to
     return vecs[hit, :, 0].T.contiguous()
 
 
-def complete_one_missing(
-    L: torch.Tensor,
-    R: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    found: torch.Tensor,
-    *,
-    zero_rtol: float,
-) -> torch.Tensor:
-    """Candidates for the last column when B-1 independent columns are known (B, c).
-
-    The missing sample's input is fixed up to one scalar by the found columns alone: its row of
-    Q⁻¹ is orthogonal to all of them, so x = c·u with u = p R. Its pre-activations c·W u + b
-    then change ReLU pattern only at m breakpoints in c. In each of the m+1 cells the pattern
-    gives the zero rows of the missing column, whose kernel (when one exists) is the column:
-    an exact, search-free completion using the weights the server already knows.
-    """
-    B = L.shape[1]
-    U, _, _ = torch.linalg.svd(found, full_matrices=True)
-    p = U[:, -1]
-    a = weight @ (R.T @ p)  # (m,) pre-activation slope in c
-    safe = torch.where(a.abs() > 0, a, torch.full_like(a, torch.finfo(a.dtype).tiny))
-    breaks = torch.sort(-bias / safe).values
+def _cells_1d(slope: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """ReLU patterns (m, cells) "offset + w·slope ≤ 0" of every cell of a line (w ∈ R)."""
+    tiny = torch.full_like(slope, torch.finfo(slope.dtype).tiny)
+    safe = torch.where(slope.abs() > 0, slope, tiny)
+    breaks = torch.sort(-offset / safe).values
     gaps = breaks[1:] - breaks[:-1]
     span = (breaks[-1] - breaks[0]).abs().clamp_min(1.0)
-    cs = torch.cat([breaks[:1] - span, 0.5 * (breaks[1:] + breaks[:-1]), breaks[-1:] + span])
-    cs = cs[torch.cat([torch.ones(1, dtype=torch.bool, device=cs.device), gaps > 0,
-                       torch.ones(1, dtype=torch.bool, device=cs.device)])]
-    Z = cs[None, :] * a[:, None] + bias[:, None]  # (m, cells)
-    mask = Z <= 0
-    enough = mask.sum(dim=0) >= B - 1
-    return pattern_kernels(L, mask[:, enough], zero_rtol)
+    ws = torch.cat([breaks[:1] - span, 0.5 * (breaks[1:] + breaks[:-1]), breaks[-1:] + span])
+    one = torch.ones(1, dtype=torch.bool, device=ws.device)
+    ws = ws[torch.cat([one, gaps > 0, one])]
+    return ws[None, :] * slope[:, None] + offset[:, None] <= 0
 
 
-def complete_two_missing(
-    L: torch.Tensor,
-    R: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    found: torch.Tensor,
-    *,
-    zero_rtol: float,
-    max_vertices: int = 40000,
-) -> torch.Tensor:
-    """Candidates for the last two columns when B-2 independent columns are known (B, c).
+def _cells_2d(A: torch.Tensor, offset: torch.Tensor, max_vertices: int) -> torch.Tensor | None:
+    """ReLU patterns of the bounded cells of the arrangement "offset + A w ≤ 0", w ∈ R² (m, c).
 
-    As :func:`complete_one_missing`, but each missing input lies in a 2-D span, so its ReLU
-    pattern is a cell of an arrangement of m lines. Every bounded cell touches a vertex (the
-    crossing of lines j and k); the four cells around a vertex share all signs but those of
-    rows j and k. Enumerating vertices (O(m²), only for moderate m) visits every such cell.
+    Every bounded cell touches a vertex (the crossing of lines j and k); the four cells
+    around a vertex share all signs but those of rows j and k. None when the m(m-1)/2
+    vertices exceed ``max_vertices``.
     """
-    m, B = L.shape
-    U, _, _ = torch.linalg.svd(found, full_matrices=True)
-    A = weight @ (R.T @ U[:, -2:])  # (m, 2)
-    j, k = torch.triu_indices(m, m, offset=1, device=L.device)
+    m = A.shape[0]
+    j, k = torch.triu_indices(m, m, offset=1, device=A.device)
     if j.numel() > max_vertices:
-        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+        return None
     M = torch.stack([A[j], A[k]], dim=1)  # (P, 2, 2)
-    rhs = -torch.stack([bias[j], bias[k]], dim=1)[..., None]
+    rhs = -torch.stack([offset[j], offset[k]], dim=1)[..., None]
     v, info = torch.linalg.solve_ex(M, rhs)
     good = info == 0
     v, j, k = v[good, :, 0], j[good], k[good]
-    Z = A @ v.T + bias[:, None]  # (m, P)
-    base = Z <= 0
+    base = A @ v.T + offset[:, None] <= 0  # (m, P)
+    cols = torch.arange(base.shape[1], device=A.device)
     masks = []
     for sj in (False, True):
         for sk in (False, True):
             msk = base.clone()
-            cols = torch.arange(msk.shape[1], device=L.device)
             msk[j, cols] = sj
             msk[k, cols] = sk
             masks.append(msk)
-    mask = torch.cat(masks, dim=1)
+    return torch.cat(masks, dim=1)
+
+
+def complete_missing(
+    L: torch.Tensor,
+    R: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    found: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    zero_rtol: float,
+    max_vertices: int = 40000,
+) -> torch.Tensor:
+    """Candidates for the k = B - F columns missing from ``found`` (B, F), k ≤ 3 (B, c).
+
+    An exact, search-free completion from what the server knows. The missing sample i has
+    xᵢᵀ = pᵢᵀ R with pᵢ the i-th row of Q⁻¹: orthogonal to every found column, so pᵢ lies in
+    their k-dim complement; and pᵢᵀ t = 1 (t = L⁺ g = Q 1, the scale fix), so it lies on a
+    (k-1)-dim affine slice of it. Its pre-activations W xᵢ + b are affine there, and each cell
+    of their sign arrangement fixes the zero rows of the missing column, whose kernel (when
+    one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3 a
+    plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
+    """
+    m, B = L.shape
+    k = B - found.shape[1]
+    empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    if k < 1 or k > 3:
+        return empty
+    U, _, _ = torch.linalg.svd(found, full_matrices=True)
+    N = U[:, B - k:]  # (B, k) complement of the found columns
+    c = N.T @ t  # pᵢ = N v with cᵀ v = 1
+    if float(c.norm()) <= torch.finfo(L.dtype).eps * float(t.norm()):
+        return empty
+    A = weight @ (R.T @ N)  # (m, k): pre-activation slope in v
+    v0 = c / c.square().sum()
+    offset = A @ v0 + bias
+    if k == 1:
+        mask = (offset <= 0)[:, None]
+    else:
+        Uc, _, _ = torch.linalg.svd(c[:, None], full_matrices=True)
+        Aw = A @ Uc[:, 1:]  # (m, k-1): directions within the slice cᵀ v = 1
+        if k == 2:
+            mask = _cells_1d(Aw[:, 0], offset)
+        else:
+            cells = _cells_2d(Aw, offset, max_vertices)
+            if cells is None:
+                return empty
+            mask = cells
     mask = mask[:, mask.sum(dim=0) >= B - 1]
-    return pattern_kernels(L, torch.unique(mask, dim=1), zero_rtol)
+    if mask.shape[1] > 1:
+        mask = torch.unique(mask, dim=1)
+    return pattern_kernels(L, mask, zero_rtol)
