@@ -304,7 +304,7 @@ class _Search:
         """Split each new face (kernel of dimension > 1) into its sparsest directions."""
         L, rtol = self.dec.L, self.system.zero_rtol
         found, counts = [], []
-        budget = self.cfg.max_faces
+        budget = self.cfg.max_faces or (128 if self.B <= 32 else 16)
         for j in range(Q.shape[1]):
             if budget <= 0 or self._out_of_time():
                 break

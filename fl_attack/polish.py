@@ -120,6 +120,7 @@ def irls_round(
     iters: int = 12,
     eps0: float = 0.3,
     decay: float = 0.6,
+    chunk_elems: int = 2**25,
 ) -> torch.Tensor:
     """Push approximate directions ``Q`` (B, K) to the sparsest direction nearby (B, K), unit.
 
@@ -130,18 +131,33 @@ def irls_round(
     ε shrinking from ``eps0`` x the column's median |entry|) drives each direction to the nearby
     direction with the most exact zeros instead. Measured on real photo batches at B = 65,
     m = 1000: 15 of 17 columns missed by ℓ1 + rounding recovered exactly.
-    Each iteration is one batched weighted Gram eigendecomposition, O(K m B²).
+    Each iteration is one inverse-iteration step per direction, q ← (Lᵀ W L)⁻¹ q (a batched
+    Cholesky solve, O(K m B²)), warm-started from the previous q.
     """
     L = L.double()
     Q = Q.to(L.dtype)
     Q = Q / Q.norm(dim=0, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
-    for t in range(iters):
-        V = L @ Q
-        eps = (eps0 * decay**t) * V.abs().median(dim=0).values.clamp_min(torch.finfo(L.dtype).tiny)
-        w = 1.0 / (V.square() + eps[None].square())
-        w = w / w.amax(dim=0, keepdim=True)
-        _, vecs = masked_gram_eigh(L, w)
-        Qn = vecs[:, :, 0].T
-        sign = torch.sign((Qn * Q).sum(dim=0))
-        Q = Qn * torch.where(sign == 0, torch.ones_like(sign), sign)
-    return Q
+    m, B = L.shape
+    K = Q.shape[1]
+    out = torch.empty_like(Q)
+    per = max(1, chunk_elems // (m * B))
+    eye = torch.eye(B, dtype=L.dtype, device=L.device)
+    for start in range(0, K, per):
+        q = Q[:, start:start + per].T.contiguous()  # (k, B)
+        for t in range(iters):
+            V = q @ L.T  # (k, m)
+            med = V.abs().median(dim=1).values.clamp_min(torch.finfo(L.dtype).tiny)
+            eps = (eps0 * decay**t) * med
+            w = 1.0 / (V.square() + eps[:, None].square())
+            w = w / w.amax(dim=1, keepdim=True)
+            gram = (L.T[None] * w[:, None, :]) @ L  # (k, B, B)
+            jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
+            gram = gram + jitter[:, None, None] * eye
+            chol, info = torch.linalg.cholesky_ex(gram)
+            z = torch.cholesky_solve(q[:, :, None], chol)[:, :, 0]
+            bad = (info != 0) | ~torch.isfinite(z).all(dim=1)
+            z = torch.where(bad[:, None], q, z)
+            z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
+            q = z * torch.sign((z * q).sum(dim=1, keepdim=True) + 1e-300)
+        out[:, start:start + per] = q.T
+    return out
