@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,9 @@ def _default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
 class _Search:
     """Rounds of search (SPEAR++ optimisation or SPEAR sampling) feeding a candidate pool."""
 
+    complement_restarts = True
+    """Whether ``cfg.deflate`` applies (later rounds start orthogonal to the found columns)."""
+
     def __init__(self, cfg: AttackConfig, dec: Decomposition, system: LayerSystem,
                  generator: torch.Generator, device: torch.device, timings: dict[str, float],
                  start: float) -> None:
@@ -192,6 +196,10 @@ class _Search:
         self.samples = 0
         self.trusted: torch.Tensor | None = None
         """Columns believed right so far; later rounds search their complement."""
+
+    def _objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The loss of the SPEAR++ search; None: the configured sparsity loss φ."""
+        return None
 
     def _tick(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
@@ -229,7 +237,8 @@ class _Search:
         L = self.dec.L.to(dtype)
         t0 = time.perf_counter()
         # after the first round, start only orthogonal to the columns found so far
-        trusted = self.trusted if cfg.deflate and self.rounds > 1 else None
+        use = cfg.deflate and self.complement_restarts and self.rounds > 1
+        trusted = self.trusted if use else None
         deflate = trusted is not None and 0 < trusted.shape[1] < B
         if deflate:
             assert trusted is not None
@@ -245,6 +254,7 @@ class _Search:
         Qopt = search.optimise_on_sphere(
             L, init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
             milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
+            objective=self._objective(),
         )
         Qopt = filtering.normalize_columns(Qopt.double())
         Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima

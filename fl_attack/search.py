@@ -6,6 +6,8 @@ dense matrix products, on whatever device ``L`` lives on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import geoopt
 import torch
 
@@ -43,8 +45,12 @@ def optimise_on_sphere(
     milestones: tuple[float, ...] = (0.4, 0.8),
     gamma: float = 0.1,
     alpha: float = 20.0,
+    objective: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Minimise φ(L q) over the sphere from each row of ``init`` (K, B); returns (B, K) columns.
+
+    ``objective`` replaces φ: it maps the rows of ``V = init @ Lᵀ`` (..., K, m) to one loss each
+    (the input side adds a sign penalty, ``fl_attack.input_layer``).
 
     ``L`` (m, B) fixes device and dtype. A stack of problems (F, m, B) with ``init`` (F, K, B)
     is solved in one batch and returns (F, B, K); zero padding rows of L do not change φ.
@@ -56,13 +62,16 @@ def optimise_on_sphere(
     m = L.shape[-2]
     X0 = init.to(device=L.device, dtype=L.dtype)
     marks = sorted({int(f * steps) for f in milestones})
+    if objective is None:
+        def objective(V: torch.Tensor) -> torch.Tensor:
+            return sparsity_loss(V, loss, alpha)
     if optimizer == "radam":
         param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
         opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            sparsity_loss(param @ Lt, loss, alpha).sum().backward()
+            objective(param @ Lt).sum().backward()
             opt.step()
             sched.step()
         return param.detach().transpose(-1, -2).contiguous()
@@ -72,7 +81,7 @@ def optimise_on_sphere(
         for it in range(steps):
             if it in marks:
                 step *= gamma
-            (grad,) = torch.autograd.grad((sparsity_loss(X @ Lt, loss, alpha) / m).sum(), X)
+            (grad,) = torch.autograd.grad((objective(X @ Lt) / m).sum(), X)
             with torch.no_grad():
                 X -= step * grad
                 X /= X.norm(dim=-1, keepdim=True)
