@@ -25,12 +25,14 @@ def _score(rec: fl_attack.Reconstruction, x: torch.Tensor, name: str) -> metrics
     return metrics.score_batch(images, x)
 
 
-# Floors are regression guards below the measured rates (experiments/results/core.md), not the
-# issue's 95% target, which is not met yet on the photo crops (many near-identical ReLU patterns).
-@pytest.mark.parametrize(("name", "floor"), [("photos32", 1), ("mnist", 2)])
+# Floors are the measured counts on these seeds (experiments/results/core.md has 20 batches):
+# MNIST 4/4 certified; photo crops 2/4 certified, and all 4 above 90 dB mean PSNR (the papers'
+# accuracy) - the two uncertified ones have two samples mixed up (λ ≥ 0.993).
+@pytest.mark.parametrize(("name", "floor"), [("photos32", 2), ("mnist", 4)])
 def test_spearpp_b20_m200_exact_and_certificate_sound(name: str, floor: int) -> None:
     """Default settings at B=20, m=200: certified batches are pixel-exact (> 90 dB for every
-    sample), never a false certificate. Seeds 0-3 are the first four, not hand-picked."""
+    sample), never a false certificate, every batch accurate in the papers' sense (mean PSNR
+    > 90 dB). Seeds 0-3 are the first four, not hand-picked."""
     certified = 0
     for seed in range(4):
         x, G, g, W, b = _batch(name, 20, 200, seed)
@@ -38,6 +40,7 @@ def test_spearpp_b20_m200_exact_and_certificate_sound(name: str, floor: int) -> 
         assert rec.batch_size == 20
         assert rec.inputs.shape == (20, x[0].numel())
         score = _score(rec, x, name)
+        assert score.mean_psnr > 90.0, f"batch {seed}: mean PSNR {score.mean_psnr:.1f} dB"
         if rec.exact:
             certified += 1
             assert rec.sparsity_match == 1.0
