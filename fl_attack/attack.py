@@ -30,7 +30,9 @@ class Reconstruction:
     exact: bool
     """True when λ = 1: the reconstruction is certified without ground truth."""
     n_directions: int
-    """Directions found by the search; < B means a partial reconstruction."""
+    """Directions found by the search; < B means a partial reconstruction, in which *no* sample
+    is guaranteed: every row of Q⁻¹ depends on all B columns (measured on a real batch, true
+    columns with one missing and the rest completed: found samples off by 12% median)."""
     method: str
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
