@@ -260,15 +260,13 @@ class _Search:
         )
         Qopt = filtering.normalize_columns(Qopt.double())
         Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima
+        self._tick("search", t0)
+        t0 = time.perf_counter()
         irls = cfg.irls if cfg.irls is not None else self.dec.L.shape[0] >= 500
         if cfg.polish and irls and deflate:
-            self._tick("search", t0)
-            t0 = time.perf_counter()
             Qopt = torch.cat([Qopt, polish.irls_round(self.dec.L, Qopt)], dim=1)
             self._tick("irls", t0)
             t0 = time.perf_counter()
-        self._tick("search", t0)
-        t0 = time.perf_counter()
         if cfg.polish:
             n_rows = self._n_rows()
             Qp, zeros, face_dim, lev = polish.polish(self.dec.L, Qopt, n_rows=n_rows,
