@@ -413,7 +413,7 @@ class _Search:
         return Q, count
 
     def _repair(self, Q: torch.Tensor) -> torch.Tensor:
-        """Replace the 1-2 columns whose patterns mismatch by the exact completion.
+        """Replace the 1-3 columns whose patterns mismatch by the exact completion.
 
         Mixing up two samples of a face corrupts only those two reconstructions (every other
         row of Q⁻¹ is orthogonal to their span), so the mismatching columns are the wrong ones.
@@ -421,7 +421,7 @@ class _Search:
         assert self.match is not None
         m = self.dec.L.shape[0]
         bad = torch.nonzero(self.match.per_column < m).squeeze(1)
-        if bad.numel() not in (1, 2) or not self.cfg.polish:
+        if bad.numel() not in (1, 2, 3) or not self.cfg.polish:
             return Q
         t0 = time.perf_counter()
         good = torch.ones(self.B, dtype=torch.bool, device=Q.device)
@@ -433,11 +433,14 @@ class _Search:
         if Qc.shape[1]:
             Qc, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
                                               zero_rtol=self.system.zero_rtol)
-            Qc = Qc[:, (zeros >= self.min_zeros) & (lev < self.cfg.max_leverage)]
-            Qc = Qc[:, filtering.dedupe(Qc, self.cfg.dedupe_tol)][:, :64]
+            keep = (zeros >= self.min_zeros) & (lev < self.cfg.max_leverage)
+            Qc, zeros = Qc[:, keep], zeros[keep]
+            Qc = Qc[:, torch.argsort(zeros, descending=True, stable=True)]
             r = bad.numel()
+            # the sparsest candidates; C(24, 3) = 2024 trials for three columns
+            Qc = Qc[:, filtering.dedupe(Qc, self.cfg.dedupe_tol)][:, :64 if r < 3 else 24]
             combos = (torch.arange(Qc.shape[1])[:, None] if r == 1
-                      else torch.combinations(torch.arange(Qc.shape[1]), 2))
+                      else torch.combinations(torch.arange(Qc.shape[1]), r))
             for combo in combos.tolist():
                 trial = torch.cat([Q[:, good], Qc[:, combo]], dim=1)
                 if torch.linalg.matrix_rank(trial) < self.B:
