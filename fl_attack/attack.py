@@ -110,16 +110,7 @@ def invert(
     floor = 1e-6 if precision == torch.float32 else 1e-13
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
     timings["decompose"] = time.perf_counter() - t0
-    if cfg.noise != "auto":  # a known noise level replaces the spectral estimate
-        m_, n_ = G.shape
-        dec.noise_std = float(cfg.noise)
-        dec.noise_edge = float(cfg.noise) * (m_**0.5 + n_**0.5)
-    S = dec.singular_values
-    B0 = dec.batch_size
-    if precision == torch.float64 and B0 < S.numel() and S[B0] > 1e-11 * S[0]:
-        precision = torch.float32  # float64 storage of float32-precision numbers
-    zero_rtol = cfg.zero_rtol or _default_zero_rtol(precision, dec)
-    z_band = 1e-5 if precision == torch.float32 else 1e-10
+    zero_rtol, z_band = tolerances(dec, cfg, precision)
     system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band)
     run = _Search(cfg, dec, system, generator, dev, timings, start)
     if dec.batch_size == 1:  # one sample: G = d xᵀ, nothing to disentangle
@@ -153,6 +144,26 @@ def invert(
         column_match=col,
         config=cfg,
     )
+
+
+def tolerances(dec: Decomposition, cfg: AttackConfig,
+               precision: torch.dtype) -> tuple[float, float]:
+    """(zero tolerance, pre-activation band) for a decomposition of an m x n gradient.
+
+    A known noise level (``cfg.noise``) replaces the spectral estimate in ``dec``; float64
+    storage of float32-precision numbers (a noise floor above float64 rounding) counts as
+    float32. Shared by both sides of the attack (``fl_attack.input_layer``).
+    """
+    if cfg.noise != "auto":
+        m, n = dec.L.shape[0], dec.R.shape[1]
+        dec.noise_std = float(cfg.noise)
+        dec.noise_edge = float(cfg.noise) * (m**0.5 + n**0.5)
+    S, B = dec.singular_values, dec.batch_size
+    if precision == torch.float64 and B < S.numel() and S[B] > 1e-11 * S[0]:
+        precision = torch.float32
+    zero_rtol = cfg.zero_rtol or _default_zero_rtol(precision, dec)
+    z_band = 1e-5 if precision == torch.float32 else 1e-10
+    return zero_rtol, z_band
 
 
 def _noise_ratio(dec: Decomposition) -> float:

@@ -350,15 +350,8 @@ def invert_inputs(
         raise ValueError(f"sparse='input' (inverting Gᵀ, inputs of dimension n = {G.shape[1]}): "
                          f"{exc}") from exc
     timings["decompose"] = time.perf_counter() - t0
-    if cfg.noise != "auto":
-        m_, n_ = G.shape
-        dec.noise_std = float(cfg.noise)
-        dec.noise_edge = float(cfg.noise) * (m_**0.5 + n_**0.5)
-    S, B = dec.singular_values, dec.batch_size
-    if precision == torch.float64 and B < S.numel() and S[B] > 1e-11 * S[0]:
-        precision = torch.float32  # float64 storage of float32-precision numbers
-    zero_rtol = cfg.zero_rtol or _attack._default_zero_rtol(precision, dec)
-    z_band = 1e-5 if precision == torch.float32 else 1e-10
+    B = dec.batch_size
+    zero_rtol, z_band = _attack.tolerances(dec, cfg, precision)
     # t' = (R'ᵀ)⁺ db: the bias gradient in the coordinates of the transposed factorisation
     t = torch.linalg.lstsq(dec.R.T, g[:, None]).solution[:, 0]
     system = LayerSystem(L=dec.L, R=dec.R, t=t, WR=None, bias=None, zero_rtol=zero_rtol,
