@@ -261,7 +261,8 @@ class _Search:
             init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
                                         device=self.device)
         optimizer = cfg.optimizer
-        if cfg.alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
+        alternate = cfg.alternate if cfg.alternate is not None else self.dec.L.shape[0] < 500
+        if alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
             optimizer = "pgd" if optimizer == "radam" else "radam"
         lr = cfg.lr if optimizer == cfg.optimizer else None
         Qopt = search.optimise_on_sphere(

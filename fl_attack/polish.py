@@ -36,10 +36,82 @@ def masked_gram_eigh(
     return vals, vecs
 
 
+def masked_kernels(
+    L: torch.Tensor,
+    mask: torch.Tensor,
+    Q: torch.Tensor,
+    eig_tol: torch.Tensor,
+    *,
+    block: int = 10,
+    iters: int = 2,
+    chunk_elems: int = 2**25,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project each q (column of ``Q``) onto the numerical kernel of L on its rows ``mask[:, k]``.
+
+    The same answer as a full eigen-decomposition of each masked Gram matrix
+    (:func:`masked_gram_eigh` + :func:`project_to_kernel`), but from a batched Cholesky factor
+    instead: two steps of shift-and-invert subspace iteration on the block [q, ``block``-1 random
+    vectors], then Rayleigh-Ritz in that block. Kernel dimensions above ``block`` are reported as
+    ``block``. Why: batched B x B eigen-solves for B > 32 are a sequential loop on CUDA (2.8 s
+    for 2000 matrices at B = 100 on an H100, against 1 ms for their Cholesky factors), and they
+    were most of the attack's time at large batches on a GPU.
+    Returns (unit columns (B, K), kernel dimensions (K,)).
+    """
+    m, B = L.shape
+    K = Q.shape[1]
+    r = min(block, B)
+    out = torch.empty_like(Q)
+    kdim = torch.empty(K, dtype=torch.long, device=L.device)
+    gen = torch.Generator().manual_seed(0)
+    omega = torch.randn(B, r - 1, generator=gen, dtype=L.dtype).to(L.device)
+    eye = torch.eye(B, dtype=L.dtype, device=L.device)
+    per = max(1, chunk_elems // (m * B))
+    Lt = L.T
+    for start in range(0, K, per):
+        stop = min(start + per, K)
+        msk = mask[:, start:stop].T.to(L.dtype)  # (k, m)
+        gram = (Lt[None] * msk[:, None, :]) @ L  # (k, B, B)
+        k = gram.shape[0]
+        tol = eig_tol[start:stop]
+        top = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
+        shift = 1e-12 * top
+        chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+        bad = info != 0
+        if bool(bad.any()):  # keep the batch finite; these take the eigh fallback below
+            chol[bad] = eye
+        q = Q[:, start:stop].T  # (k, B)
+        Y = torch.cat([q[:, :, None], omega[None].expand(k, -1, -1)], dim=2)  # (k, B, r)
+        for _ in range(iters):
+            Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
+        T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
+        theta, S = torch.linalg.eigh(0.5 * (T + T.transpose(1, 2)))
+        V = Y @ S  # Ritz vectors, ascending Ritz values
+        in_kernel = theta <= tol[:, None]
+        in_kernel[:, 0] = True
+        if bool(bad.any()):  # not positive definite after the shift: fall back to eigh
+            vals, vecs = torch.linalg.eigh(gram[bad])
+            keep = vals <= tol[bad][:, None]
+            keep[:, 0] = True
+            V[bad] = vecs[:, :, :r]
+            in_kernel[bad] = keep[:, :r]
+        coeff = torch.einsum("kbj,kb->kj", V, q) * in_kernel
+        P = torch.einsum("kbj,kj->kb", V, coeff)
+        weak = P.norm(dim=1) < 1e-6  # q orthogonal to its kernel: take the smallest Ritz vector
+        if bool(weak.any()):
+            P[weak] = V[weak, :, 0]
+        out[:, start:stop] = (P / P.norm(dim=1, keepdim=True)).T
+        kdim[start:stop] = in_kernel.sum(dim=1)
+    return out, kdim
+
+
 def project_to_kernel(
     Q: torch.Tensor, vals: torch.Tensor, vecs: torch.Tensor, eig_tol: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Project each q onto its numerical kernel; returns (unit columns, kernel dimensions)."""
+    """Project each q onto its numerical kernel; returns (unit columns, kernel dimensions).
+
+    The reference for :func:`masked_kernels` (which ``polish`` uses), from full
+    eigen-decompositions.
+    """
     in_kernel = vals <= eig_tol[:, None]  # (K, B)
     in_kernel[:, 0] = True
     coeff = torch.einsum("kbj,bk->kj", vecs, Q) * in_kernel  # (K, B)
@@ -100,9 +172,8 @@ def polish(
     mask = torch.zeros_like(V, dtype=torch.bool).scatter_(0, idx, True)
     face_dim = None
     for _ in range(2):
-        vals, vecs = masked_gram_eigh(L, mask)
         eig_tol = mask.sum(dim=0).to(L.dtype) * (zero_rtol**2) / m
-        Q, kdim = project_to_kernel(Q, vals, vecs, eig_tol)
+        Q, kdim = masked_kernels(L, mask, Q, eig_tol)
         face_dim = kdim if face_dim is None else face_dim
         V = L @ Q
         new_mask = zero_mask(V, zero_rtol)

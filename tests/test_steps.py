@@ -118,3 +118,29 @@ def test_starts_in_the_complement_reach_the_missing_columns() -> None:
         best, which = (Qt.T @ (Q / Q.norm(dim=0))).abs().max(dim=0)
         counts.append(int(((best > 0.999) & torch.isin(which, torch.tensor(missing))).sum()))
     assert counts[0] >= 3 * max(counts[1], 1), counts
+
+
+def test_masked_kernels_match_full_eigendecompositions() -> None:
+    """The Cholesky-based kernel projection used by polishing gives the eigh reference's kernel
+    dimensions and directions, on true columns (1-d kernels on their zero rows), on faces
+    (rows shared by two samples: 2-d kernels) and on random directions (no kernel)."""
+    t = _truth(20, 200, seed=2)
+    L, Qt = t["L"], t["Qt"]
+    gen = torch.Generator().manual_seed(0)
+    zeros = t["D"].abs() <= 1e-7 * t["D"].abs().amax(dim=0)  # (m, B) true zero rows
+    shared = zeros[:, :10] & zeros[:, 10:]  # rows two samples share: a 2-d face each
+    rand = torch.randn(L.shape[0], 10, generator=gen, dtype=L.dtype).abs() < 0.5
+    mask = torch.cat([zeros, shared, rand], dim=1)
+    Q = torch.cat([Qt + 1e-3 * torch.randn(Qt.shape, generator=gen, dtype=L.dtype),
+                   Qt[:, :10] + Qt[:, 10:],
+                   torch.randn(20, 10, generator=gen, dtype=L.dtype)], dim=1)
+    Q = Q / Q.norm(dim=0)
+    eig_tol = mask.sum(dim=0).to(L.dtype) * 1e-14 / L.shape[0]
+    vals, vecs = polish.masked_gram_eigh(L, mask)
+    P_ref, k_ref = polish.project_to_kernel(Q, vals, vecs, eig_tol)
+    P, k = polish.masked_kernels(L, mask, Q, eig_tol)
+    assert k.tolist() == k_ref.tolist()
+    assert set(k[:20].tolist()) == {1} and int((k[20:30] >= 2).sum()) >= 8
+    assert _hits(Qt, P[:, :20], tol=1e-12) == set(range(20))  # the exact true columns
+    cos = (P * P_ref).sum(dim=0).abs()
+    assert float(cos[:30].min()) > 1 - 1e-12
