@@ -386,7 +386,8 @@ class _Search:
     def find(self) -> tuple[torch.Tensor, int]:
         """Search until B directions with λ ≥ the stop level, the round cap or the time budget."""
         spear = self.cfg.method == "spear"
-        max_rounds = self.cfg.max_rounds if not spear else 1 << 62
+        max_rounds = self.cfg.round_cap(self.B)
+        max_rounds = max_rounds if not spear else 1 << 62
         self.completed: set[tuple[int, int]] = set()
         for _ in range(max_rounds):
             self.rounds += 1

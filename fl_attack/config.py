@@ -57,10 +57,11 @@ class AttackConfig:
     deflate: bool = True
     """Rounds after the first start only orthogonally to the columns found so far
     (``search.random_complement``), where the missing columns' basins are."""
-    max_rounds: int = 12
-    """Rounds of fresh initialisations before giving up on missing directions. Rounds after
-    the first are cheap (restarts in the complement of what is found); at B = 30, m = 200, 12
-    rounds certified 3 of 5 photo batches that 4 rounds left at 24-26 of 30 columns."""
+    max_rounds: int | None = None
+    """Rounds of fresh initialisations before giving up on missing directions. None:
+    ``max(12, B // 4)``. Rounds after the first are cheap (restarts in the complement of what is
+    found); at B = 30, m = 200, 12 rounds certified 3 of 5 photo batches that 4 rounds left at
+    24-26 of 30 columns; at B = 100, m = 1000 one photo batch needed 13 rounds for λ = 1."""
     max_seconds: float | None = None
     """Wall-clock budget for the search; the best selection so far is returned when it runs out."""
 
@@ -122,6 +123,10 @@ class AttackConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def round_cap(self, batch_size: int) -> int:
+        """``max_rounds``, or its default for a batch of ``batch_size``."""
+        return self.max_rounds or max(12, batch_size // 4)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid option."""
         _choice("method", self.method, METHODS)
@@ -132,7 +137,10 @@ class AttackConfig:
         if self.batch_size is not None and (not isinstance(self.batch_size, int)
                                             or self.batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None, got {self.batch_size!r}")
-        for name in ("steps", "max_rounds", "samples_per_step", "max_samples", "max_swaps",
+        if self.max_rounds is not None and (not isinstance(self.max_rounds, int)
+                                            or self.max_rounds < 1):
+            raise ValueError(f"max_rounds must be a positive int or None, got {self.max_rounds!r}")
+        for name in ("steps", "samples_per_step", "max_samples", "max_swaps",
                      "swap_positions", "max_face_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0 or (name != "max_swaps" and value == 0):

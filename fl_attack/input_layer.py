@@ -377,7 +377,7 @@ def invert_inputs(
                                            max_swaps=cfg.max_swaps,
                                            positions=cfg.swap_positions)
                 swaps += k
-            if match.value >= 1.0 or run.rounds >= cfg.max_rounds or run._out_of_time():
+            if match.value >= 1.0 or run.rounds >= cfg.round_cap(run.B) or run._out_of_time():
                 break
             timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
             Q_new, n_new = run.find()  # more rounds feed the pool
