@@ -41,6 +41,7 @@ from experiments.bench_dp import (
     table_rule,
     verdict,
 )
+from experiments.common import add_run_args, check_run_args
 from fl_attack import data, models, simulate, updates
 
 RESULTS = Path(__file__).parent / "results" / "fedavg.md"
@@ -185,20 +186,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lrs", type=lambda t: parse_list(t, float, "--lrs"),
                         default=parse_list(DEFAULT_LRS, float, "--lrs"),
                         help=f"local learning rates η (default {DEFAULT_LRS})")
-    parser.add_argument("--batches", type=int, default=3, help="batches per setting (default 3)")
-    parser.add_argument("--first-seed", type=int, default=0,
-                        help="seed of the first batch (batches use consecutive seeds)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="per-batch budget passed to fl_attack.invert (default: none)")
-    parser.add_argument("--device", default=None, help="attack device (default: cuda if any)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"results file ({RESULTS})")
+    add_run_args(parser, RESULTS)
     args = parser.parse_args(argv)
-    if args.batches < 1:
-        parser.error("--batches must be >= 1")
+    check_run_args(parser, args)
     if any(e < 1 for e in args.epochs) or any(lr <= 0 for lr in args.lrs):
         parser.error("--epochs must be >= 1 and --lrs > 0")
-    if args.max_seconds is not None and args.max_seconds <= 0:
-        parser.error("--max-seconds must be > 0")
 
     started = dt.datetime.now(dt.timezone.utc)
     cmd = "python -m experiments.bench_fedavg " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import fl_attack
+from experiments.common import cpu_name
 
 # input_layer is imported lazily by invert(); load it now with the rest, so that the code version
 # recorded at the start (code_version) is the code that runs.
@@ -50,18 +51,6 @@ PAPER = ("SPEAR (paper, SPEC §8-9): attacks layers 1-5 of a 6-layer ReLU MLP of
          "initialisation because the biases dominate; its headline CIFAR-10 number, on the first "
          "layer of a 6-layer width-200 MLP at B = 20, is 99% of batches exact (PSNR 106.6), "
          "1.7 min per batch on a GPU. SPEC §8 gives no per-layer numbers to compare with.")
-
-
-def cpu_name() -> str:
-    """A readable CPU name: /proc/cpuinfo's model name, else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def code_version() -> str:

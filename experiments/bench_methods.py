@@ -29,24 +29,13 @@ from pathlib import Path
 import torch
 
 import fl_attack
+from experiments.common import cpu_name
 from fl_attack import data, metrics, models
 
 METHODS = ("spear", "spear++")
 RESULTS = Path(__file__).parent / "results" / "spear_vs_spearpp.md"
 TARGET_B, TARGET_RATIO = 20, 20.0
 PSNR_OK = 90.0
-
-
-def cpu_name() -> str:
-    """A readable CPU name: /proc/cpuinfo's model name, else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def batch_problem(B: int, m: int, seed: int, dataset: str) -> tuple[torch.Tensor, dict]:

@@ -25,22 +25,11 @@ from pathlib import Path
 import torch
 
 import fl_attack
+from experiments.common import cpu_name
 from fl_attack import models, tabular
 
 PAPER = {"discrete_acc": 100.0, "mae": 20.4, "minutes": 0.4}  # SPEAR, Adult B = 16 (SPEC §9)
 RESULTS = Path(__file__).parent / "results" / "tabular.md"
-
-
-def cpu_name() -> str:
-    """A readable CPU name: /proc/cpuinfo's model name, else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def attack_batch(data: tabular.AdultData, seed: int, method: str, batch_size: int, width: int,
