@@ -52,6 +52,7 @@ from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
 from fl_attack.filtering import normalize_columns, zero_mask
 from fl_attack.scale import LayerSystem
+from fl_attack.select import best_swap
 
 __all__ = [
     "InputMatch",
@@ -195,28 +196,16 @@ def greedy_swaps(
     WL = weight @ L  # (m, B): z of any direction c is WL c / u + b
     z_spare = WL @ spare  # (m, c) unscaled
     u_spare = spare.T @ t  # (c,)
-    r = min(positions, B)
     swaps = 0
     while swaps < max_swaps and match.value < 1.0:
         P = torch.linalg.inv(Q)
         Ghat = P @ R  # (B, m) unscaled ĝ
         u = Q.T @ t
-        A = P @ spare  # (B, c)
-        c = A.shape[1]
-        pos = A.abs().topk(r, dim=0).indices  # (r, c)
-        u_idx = torch.arange(c, device=Q.device).repeat(r)
-        i_idx = pos.reshape(-1)
         Zcur = (WL @ Q) / u + bias[:, None]  # (m, B) current z (u_i ≈ 0 gives inf: no match)
-        base = float(match.per_sample.sum())
-        best_gain, best = 0.0, None
-        per = max(1, chunk_elems // (m * B))
-        for start in range(0, u_idx.numel(), per):
-            us = u_idx[start:start + per]
-            i = i_idx[start:start + per]
-            a = A[:, us]  # (B, p)
-            a_i = a.gather(0, i[None])  # (1, p)
-            ok = a_i.abs() > 1e-10
-            ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
+
+        def trial(us: torch.Tensor, i: torch.Tensor, a_i: torch.Tensor, ok: torch.Tensor,
+                  ratio: torch.Tensor, Ghat: torch.Tensor = Ghat, u: torch.Tensor = u,
+                  Zcur: torch.Tensor = Zcur) -> torch.Tensor:
             # new ĝ_j = ĝ_j - ratio_j ĝ_i (j ≠ i), ĝ_i / a_i; scaled by the (unchanged) u_j
             Gi = Ghat[i]  # (p, m)
             G_new = Ghat[:, None, :] - ratio[:, :, None] * Gi[None]  # (B, p, m)
@@ -232,10 +221,11 @@ def greedy_swaps(
             amb = _ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
             agree = _agree(Z.reshape(m, -1), Vz.reshape(m, -1), band).reshape(m, B, -1) | amb
             total = agree.sum(dim=(0, 1)).to(torch.float64)
-            total[~ok[0] | (u_spare[us] <= 0)] = -1.0
-            gain, j = total.max(dim=0)
-            if float(gain) - base > best_gain:
-                best_gain, best = float(gain) - base, (int(us[j]), int(i[j]))
+            total[u_spare[us] <= 0] = -1.0
+            return total
+
+        best = best_swap(P @ spare, trial, base=float(match.per_sample.sum()),
+                         positions=positions, chunk=max(1, chunk_elems // (m * B)))
         if best is None:
             break
         u_sel, i_sel = best

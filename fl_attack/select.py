@@ -9,6 +9,7 @@ O(m n B) of a fresh reconstruction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,45 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
     return Match(value=value, per_column=per_col, H=H, s=s, P=P)
 
 
+def best_swap(
+    A: torch.Tensor,
+    trial: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                    torch.Tensor],
+    *,
+    base: float,
+    positions: int,
+    chunk: int,
+) -> tuple[int, int] | None:
+    """The best (spare u, column i) swap by ``trial``'s score, or None if none beats ``base``.
+
+    ``A`` (B, c) holds the spares' coordinates in the current basis. Only the ``positions``
+    columns with the largest |A[i, u]| are tried per spare (the others would make the basis
+    nearly singular), in chunks of ``chunk`` trials. ``trial(u, i, a_i, ok, ratio)`` scores a
+    chunk of trials (p,): spares ``u`` (p,), columns ``i`` (p,), pivots ``a_i`` (1, p), ``ok``
+    (1, p) where the pivot is usable, ``ratio = A[:, u] / a_i`` (B, p). Shared by the
+    output-side and the input-side greedy selections, which differ only in that score.
+    """
+    c = A.shape[1]
+    r = min(positions, A.shape[0])
+    pos = A.abs().topk(r, dim=0).indices  # (r, c)
+    u_idx = torch.arange(c, device=A.device).repeat(r)
+    i_idx = pos.reshape(-1)
+    best_gain, best = 0.0, None
+    for start in range(0, u_idx.numel(), chunk):
+        u = u_idx[start:start + chunk]
+        i = i_idx[start:start + chunk]
+        a = A[:, u]  # (B, p)
+        a_i = a.gather(0, i[None])  # (1, p)
+        ok = a_i.abs() > 1e-10
+        ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
+        total = trial(u, i, a_i, ok, ratio)
+        total[~ok[0]] = -1.0
+        gain, j = total.max(dim=0)
+        if float(gain) - base > best_gain:
+            best_gain, best = float(gain) - base, (int(u[j]), int(i[j]))
+    return best
+
+
 def greedy_swaps(
     Q: torch.Tensor,
     spare: torch.Tensor,
@@ -121,39 +161,26 @@ def greedy_swaps(
     Dzero = zero_mask(L @ Q, system.zero_rtol)
     Damb = _ambiguous(L @ Q, system.zero_rtol)
     swaps = 0
-    r = min(positions, B)
     while swaps < max_swaps and match.value < 1.0:
-        A = match.P @ spare  # (B, c): coordinates of spares in the current basis
-        c = A.shape[1]
-        pos = A.abs().topk(r, dim=0).indices  # (r, c)
-        u_idx = torch.arange(c, device=Q.device).repeat(r)
-        i_idx = pos.reshape(-1)
-        base = float(match.per_column.sum())
-        best_gain, best = 0.0, None
-        per = max(1, chunk_elems // (m * B))
-        for start in range(0, u_idx.numel(), per):
-            u = u_idx[start:start + per]
-            i = i_idx[start:start + per]
-            a = A[:, u]  # (B, p)
-            a_i = a.gather(0, i[None])  # (1, p)
-            ok = a_i.abs() > 1e-10
-            ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
-            Hi = match.H[:, i]  # (m, p)
-            s_new = match.s[:, None] - ratio * match.s[i][None]  # (B, p)
-            H_new = match.H[:, :, None] - Hi[:, None, :] * ratio[None]  # (m, B, p)
+        now = match
+
+        def trial(u: torch.Tensor, i: torch.Tensor, a_i: torch.Tensor, ok: torch.Tensor,
+                  ratio: torch.Tensor, now: Match = now) -> torch.Tensor:
+            Hi = now.H[:, i]  # (m, p)
+            s_new = now.s[:, None] - ratio * now.s[i][None]  # (B, p)
+            H_new = now.H[:, :, None] - Hi[:, None, :] * ratio[None]  # (m, B, p)
             Z_new = H_new / s_new[None] + b[:, None, None]
             counts = (_matches(Z_new, Dzero[:, :, None], system.z_band)
                       | Damb[:, :, None]).sum(dim=0)  # (B, p)
             # column i keeps x_i (its Z is unchanged) but its pattern becomes that of the spare
-            Zi = match.H[:, i] / match.s[i][None] + b[:, None]
+            Zi = now.H[:, i] / now.s[i][None] + b[:, None]
             counts_i = (_matches(Zi, spare_zero[:, u], system.z_band)
                         | spare_amb[:, u]).sum(dim=0)
             counts.scatter_(0, i[None], counts_i[None])
-            total = counts.sum(dim=0).to(torch.float64)
-            total[~ok[0]] = -1.0
-            gain, j = total.max(dim=0)
-            if float(gain) - base > best_gain:
-                best_gain, best = float(gain) - base, (int(u[j]), int(i[j]))
+            return counts.sum(dim=0).to(torch.float64)
+
+        best = best_swap(match.P @ spare, trial, base=float(match.per_column.sum()),
+                         positions=positions, chunk=max(1, chunk_elems // (m * B)))
         if best is None:
             break
         u_sel, i_sel = best
@@ -169,4 +196,5 @@ def greedy_swaps(
     return Q, match, swaps
 
 
-__all__ = ["Match", "complete_basis", "greedy_swaps", "scales", "sparsity_match", "stage1"]
+__all__ = ["Match", "best_swap", "complete_basis", "greedy_swaps", "scales", "sparsity_match",
+           "stage1"]
