@@ -96,21 +96,10 @@ def masked_kernels(
         T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
         theta, S = torch.linalg.eigh(0.5 * (T + T.transpose(1, 2)))
         V = Y @ S  # Ritz vectors, ascending Ritz values
-        in_kernel = theta <= tol[:, None]
-        in_kernel[:, 0] = True
         if bool(bad.any()):  # not positive definite after the shift: fall back to eigh
             vals, vecs = torch.linalg.eigh(gram[bad])
-            keep = vals <= tol[bad][:, None]
-            keep[:, 0] = True
-            V[bad] = vecs[:, :, :r]
-            in_kernel[bad] = keep[:, :r]
-        coeff = torch.einsum("kbj,kb->kj", V, q) * in_kernel
-        P = torch.einsum("kbj,kj->kb", V, coeff)
-        weak = P.norm(dim=1) < 1e-6  # q orthogonal to its kernel: take the smallest Ritz vector
-        if bool(weak.any()):
-            P[weak] = V[weak, :, 0]
-        out[:, start:stop] = (P / P.norm(dim=1, keepdim=True)).T
-        kdim[start:stop] = in_kernel.sum(dim=1)
+            theta[bad], V[bad] = vals[:, :r], vecs[:, :, :r]
+        out[:, start:stop], kdim[start:stop] = project_to_kernel(q.T, theta, V, tol)
     return out, kdim
 
 
@@ -119,8 +108,9 @@ def project_to_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Project each q onto its numerical kernel; returns (unit columns, kernel dimensions).
 
-    From full eigen-decompositions: what ``polish`` uses up to :data:`EIGH_UP_TO`, and the
-    reference for :func:`masked_kernels`.
+    ``vals`` (K, r) ascending and ``vecs`` (K, B, r) are eigenpairs of each masked Gram matrix:
+    all of them (full eigen-decompositions, what ``polish`` uses up to :data:`EIGH_UP_TO`), or
+    the Ritz pairs of :func:`masked_kernels`.
     """
     in_kernel = vals <= eig_tol[:, None]  # (K, B)
     in_kernel[:, 0] = True
