@@ -261,7 +261,7 @@ class _Search:
             init = search.random_sphere(K, B, generator=self.generator, dtype=dtype,
                                         device=self.device)
         optimizer = cfg.optimizer
-        alternate = cfg.alternate if cfg.alternate is not None else self.dec.L.shape[0] < 500
+        alternate, irls = cfg.wide_layer_search(self.dec.L.shape[0])
         if alternate and self.rounds % 2 == 0:  # the other optimiser finds other minima
             optimizer = "pgd" if optimizer == "radam" else "radam"
         lr = cfg.lr if optimizer == cfg.optimizer else None
@@ -274,7 +274,6 @@ class _Search:
         Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima
         self._tick("search", t0)
         t0 = time.perf_counter()
-        irls = cfg.irls if cfg.irls is not None else self.dec.L.shape[0] >= 500
         if cfg.polish and irls and deflate:
             Qopt = torch.cat([Qopt, polish.irls_round(self.dec.L, Qopt)], dim=1)
             self._tick("irls", t0)

@@ -9,6 +9,8 @@ METHODS = ("spear++", "spear")
 LOSSES = ("l1", "logcosh", "l4")
 OPTIMIZERS = ("radam", "pgd")
 SPARSE_SIDES = ("output", "input", "auto")
+WIDE_LAYER = 500
+"""Outputs m from which the search drops the PGD rounds and adds IRLS rounding by default."""
 
 
 @dataclass
@@ -122,6 +124,16 @@ class AttackConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def wide_layer_search(self, m: int) -> tuple[bool, bool]:
+        """(``alternate``, ``irls``) for a layer with ``m`` outputs, their defaults resolved.
+
+        Both defaults switch at :data:`WIDE_LAYER` outputs (see the two options).
+        """
+        wide = m >= WIDE_LAYER
+        alternate = self.alternate if self.alternate is not None else not wide
+        irls = self.irls if self.irls is not None else wide
+        return alternate, irls
 
     def round_cap(self, batch_size: int) -> int:
         """``max_rounds``, or its default for a batch of ``batch_size``."""
