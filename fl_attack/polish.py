@@ -19,9 +19,10 @@ EIGH_UP_TO = 32
 
 Batched B x B ``eigh`` is fast on CPUs and, for B <= 32, on CUDA (cuSOLVER batches it); above
 that CUDA loops over the matrices (2.8 s for 2000 at B = 100 on an H100), which made polishing
-most of the attack's time. The two give the same kernels up to rounding (unit-tested), but the
-search is sensitive to rounding: one B = 16 Flower demo update certified with ``eigh`` and not
-with the iterative method, so the small batches keep the path they were measured with.
+most of the attack's time. The two give the same kernels up to rounding (unit-tested); the
+exact decomposition is kept where it costs nothing. (An earlier note here blamed the iterative
+method for one uncertified B = 16 update of the Flower demo; repeated runs showed that outcome
+follows the order in which the clients' replies arrive, with either method.)
 """
 
 
