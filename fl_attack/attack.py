@@ -352,23 +352,36 @@ class _Search:
             self._add(Qp, zeros, lev)
 
     def _complete(self, Q: torch.Tensor, count: int) -> bool:
-        """Try the exact completion of 1-3 missing columns (needs only W and b, see refine)."""
+        """Complete the missing columns from W and b (see refine); False when nothing is left
+        to try for this found set.
+
+        The exact completion runs once per found set of 1-3 missing columns (it gives up on
+        3 when the cells are too many: m ≥ 284); the sampled one once per found set and round
+        when 2 or more are missing.
+        """
         missing = self.B - count
-        if missing not in (1, 2, 3) or self.system.WR is None or not self.cfg.polish:
+        if missing < 1 or self.system.WR is None or not self.cfg.polish:
             return False
-        if (missing, count) in self.completed:
-            return False
-        self.completed.add((missing, count))
+        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, :count],
+                self.system.t)
+        exact, sampled = (missing, count, -1), (missing, count, self.rounds)
         t0 = time.perf_counter()
-        Qc = refine.complete_missing(self.dec.L, self.dec.R, self.system.weight,
-                                     self.system.bias, Q[:, :count], self.system.t,
-                                     zero_rtol=self.system.zero_rtol)
+        if missing <= 3 and exact not in self.completed:
+            self.completed.add(exact)
+            Qc = refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
+        elif missing >= 2 and self.cfg.slice_samples and sampled not in self.completed:
+            self.completed.add(sampled)
+            Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
+                                       generator=self.generator,
+                                       n_samples=self.cfg.slice_samples)
+        else:
+            return False
         if Qc.shape[1]:
             Qp, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
                                               zero_rtol=self.system.zero_rtol)
             self._add(Qp, zeros, lev)
         self._tick("complete", t0)
-        return bool(Qc.shape[1])
+        return True
 
     def _done(self) -> tuple[torch.Tensor, int, bool]:
         """Select and check whether the selection is complete and certified enough."""
@@ -387,7 +400,7 @@ class _Search:
         spear = self.cfg.method == "spear"
         max_rounds = self.cfg.round_cap(self.B)
         max_rounds = max_rounds if not spear else 1 << 62
-        self.completed: set[tuple[int, int]] = set()
+        self.completed: set[tuple[int, int, int]] = set()
         for _ in range(max_rounds):
             self.rounds += 1
             if spear:
@@ -395,7 +408,9 @@ class _Search:
             else:
                 self._round_spearpp()
             Q, count, done = self._done()
-            if not done and self._complete(Q, count):
+            # complete from the trusted columns; each completion may enable the next
+            while not done and self.trusted is not None and self._complete(
+                    self.trusted, self.trusted.shape[1]):
                 Q, count, done = self._done()
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"

@@ -100,6 +100,10 @@ class AttackConfig:
     """Largest face (group of samples sharing their zero rows) split by sampling."""
     dedupe_tol: float = 1e-6
     """Directions with |cos| > 1 - dedupe_tol are duplicates (up to sign)."""
+    slice_samples: int = 2048
+    """Points drawn on the slice of the missing samples when more than 3 columns are missing
+    (``refine.sample_missing``, needs ``weight`` and ``bias``); 0 turns it off. Each point
+    costs three B x B kernels."""
 
     # --- selection (SPEC §5) --------------------------------------------------------------------
     greedy: bool = True
@@ -152,10 +156,11 @@ class AttackConfig:
         if self.max_rounds is not None and (not isinstance(self.max_rounds, int)
                                             or self.max_rounds < 1):
             raise ValueError(f"max_rounds must be a positive int or None, got {self.max_rounds!r}")
-        for name in ("steps", "samples_per_step", "max_samples", "max_swaps",
+        for name in ("steps", "samples_per_step", "max_samples", "max_swaps", "slice_samples",
                      "swap_positions", "max_face_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0 or (name != "max_swaps" and value == 0):
+            if not isinstance(value, int) or value < 0 or (
+                    name not in ("max_swaps", "slice_samples") and value == 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.max_faces is not None and (not isinstance(self.max_faces, int)
                                            or self.max_faces < 1):

@@ -10,6 +10,8 @@ caller can split that small subspace (see :mod:`fl_attack.refine`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from fl_attack.filtering import zero_mask
@@ -26,6 +28,24 @@ follows the order in which the clients' replies arrive, with either method.)
 """
 
 
+def masked_grams(
+    L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Lᵀ diag(mask_k) L for the columns k of ``mask`` (m, K), in chunks: (columns, (k, B, B)).
+
+    ``mask`` is boolean (row subsets) or real (row weights). Chunks keep the broadcast product
+    under ``chunk_elems`` elements.
+    """
+    m, B = L.shape
+    K = mask.shape[1]
+    per = max(1, chunk_elems // (m * B))
+    Lt = L.T
+    for start in range(0, K, per):
+        cols = slice(start, min(start + per, K))
+        msk = mask[:, cols].T.to(L.dtype)  # (k, m)
+        yield cols, (Lt[None] * msk[:, None, :]) @ L
+
+
 def masked_gram_eigh(
     L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,16 +54,11 @@ def masked_gram_eigh(
     ``mask`` is boolean (row subsets) or real (row weights). Returns (eigenvalues (K, B)
     ascending, eigenvectors (K, B, B)) in L's dtype.
     """
-    m, B = L.shape
-    K = mask.shape[1]
+    B, K = L.shape[1], mask.shape[1]
     vals = torch.empty(K, B, dtype=L.dtype, device=L.device)
     vecs = torch.empty(K, B, B, dtype=L.dtype, device=L.device)
-    per = max(1, chunk_elems // (m * B))
-    Lt = L.T
-    for start in range(0, K, per):
-        msk = mask[:, start:start + per].T.to(L.dtype)  # (k, m)
-        gram = (Lt[None] * msk[:, None, :]) @ L  # (k, B, B)
-        vals[start:start + per], vecs[start:start + per] = torch.linalg.eigh(gram)
+    for cols, gram in masked_grams(L, mask, chunk_elems):
+        vals[cols], vecs[cols] = torch.linalg.eigh(gram)
     return vals, vecs
 
 
@@ -76,12 +91,8 @@ def masked_kernels(
     gen = torch.Generator().manual_seed(0)
     omega = torch.randn(B, r - 1, generator=gen, dtype=L.dtype).to(L.device)
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
-    per = max(1, chunk_elems // (m * B))
-    Lt = L.T
-    for start in range(0, K, per):
-        stop = min(start + per, K)
-        msk = mask[:, start:stop].T.to(L.dtype)  # (k, m)
-        gram = (Lt[None] * msk[:, None, :]) @ L  # (k, B, B)
+    for cols, gram in masked_grams(L, mask, chunk_elems):
+        start, stop = cols.start, cols.stop
         k = gram.shape[0]
         tol = eig_tol[start:stop]
         top = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
@@ -132,20 +143,17 @@ def max_leverage(L: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor,
     whose extra zeros are cancellations) rather than to a sample's ReLU pattern, where every
     zero row is redundant. True columns have all leverages well below 1.
     """
-    m, B = L.shape
-    K = Q.shape[1]
-    out = torch.empty(K, dtype=L.dtype, device=L.device)
-    per = max(1, chunk_elems // (m * B))
+    out = torch.empty(Q.shape[1], dtype=L.dtype, device=L.device)
     Lt = L.T
-    for start in range(0, K, per):
-        msk = mask[:, start:start + per].T.to(L.dtype)  # (k, m)
-        q = Q[:, start:start + per].T  # (k, B)
-        gram = (Lt[None] * msk[:, None, :]) @ L + q[:, :, None] * q[:, None, :]
-        sol, info = torch.linalg.solve_ex(gram, Lt[None].expand(gram.shape[0], -1, -1))
-        lev = (sol * Lt[None]).sum(dim=1) * msk  # (k, m)
+    for cols, gram in masked_grams(L, mask, chunk_elems):
+        q = Q[:, cols].T  # (k, B)
+        gram = gram + q[:, :, None] * q[:, None, :]  # symmetric, definite unless singular
+        chol, info = torch.linalg.cholesky_ex(gram)
+        sol = torch.cholesky_solve(Lt[None].expand(gram.shape[0], -1, -1), chol)
+        lev = (sol * Lt[None]).sum(dim=1) * mask[:, cols].T.to(L.dtype)  # (k, m)
         lev = lev.amax(dim=1)
         lev[(info != 0) | ~torch.isfinite(lev)] = 1.0  # singular: the kernel is not unique
-        out[start:start + per] = lev
+        out[cols] = lev
     return out
 
 

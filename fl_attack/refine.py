@@ -15,7 +15,7 @@ import math
 import torch
 
 from fl_attack.filtering import dedupe, zero_mask
-from fl_attack.polish import masked_gram_eigh
+from fl_attack.polish import masked_grams
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -164,18 +164,71 @@ def conditional_directions(
     return Qs / Qs.norm(dim=0, keepdim=True)
 
 
+def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> torch.Tensor:
+    """Unit kernel vectors (B, c) of the Gram matrices (k, B, B) whose numerical kernel (below
+    ``tol`` (k,)) is exactly one-dimensional.
+
+    Most candidate row sets have no kernel; a Cholesky factor of the Gram matrix minus the
+    tolerance exists exactly then, so those are dropped at once. The others get two steps of
+    shift-and-invert subspace iteration on a small random block and Rayleigh-Ritz in it: the
+    kernel is amplified by 1/shift² against the rest of the spectrum, so the two smallest Ritz
+    values tell one- from higher-dimensional kernels. (Batched B x B ``eigh`` instead took half
+    of the time on a 2-core CPU at B = 100 and is a sequential loop on CUDA above B = 32.)
+    """
+    B = gram.shape[-1]
+    eye = torch.eye(B, dtype=gram.dtype, device=gram.device)
+    _, info = torch.linalg.cholesky_ex(gram - tol[:, None, None] * eye)
+    singular = info != 0
+    if not bool(singular.any()):
+        return torch.empty(B, 0, dtype=gram.dtype, device=gram.device)
+    gram, tol = gram[singular], tol[singular]
+    shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
+    chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+    gen = torch.Generator().manual_seed(0)
+    Y = torch.randn(B, block, generator=gen, dtype=gram.dtype).to(gram.device)
+    Y = Y[None].expand(gram.shape[0], -1, -1)
+    for _ in range(2):
+        Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
+    theta, S = torch.linalg.eigh(Y.transpose(1, 2) @ gram @ Y)
+    vec = (Y @ S[:, :, :1])[:, :, 0]  # (k, B)
+    ok = (info == 0) & (theta[:, 0] <= tol) & (theta[:, 1] > tol)
+    hard = info != 0  # singular even after the shift: the exact decomposition decides
+    if bool(hard.any()):
+        vals, vecs = torch.linalg.eigh(gram[hard])
+        ok[hard] = (vals[:, 0] <= tol[hard]) & (vals[:, 1] > tol[hard])
+        vec[hard] = vecs[:, :, 0]
+    vec = vec[ok]
+    return (vec / vec.norm(dim=1, keepdim=True)).T
+
+
 def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
     """Unit columns whose zero rows are exactly a candidate ReLU pattern (B, c).
 
     For each column of ``mask`` (m, P) keep the kernel of L on those rows when it is exactly
     one-dimensional: that pattern then determines a column.
     """
-    if mask.shape[1] == 0:
-        return torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)
-    vals, vecs = masked_gram_eigh(L, mask)
-    tol = mask.sum(dim=0).to(L.dtype) * zero_rtol**2 / L.shape[0]
-    hit = (vals[:, 0] <= tol) & (vals[:, 1] > tol)
-    return vecs[hit, :, 0].T.contiguous()
+    m, B = L.shape
+    out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
+    for cols, gram in masked_grams(L, mask):
+        tol = mask[:, cols].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
+        out.append(_one_dim_kernels(gram, tol))
+    return torch.cat(out, dim=1).contiguous()
+
+
+def row_set_kernels(L: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, zero_rtol: float,
+                    chunk_elems: int = 2**25) -> torch.Tensor:
+    """:func:`pattern_kernels` for small row sets given as indices ``rows`` (P, r), of which
+    ``valid`` (P, r) are used: Gram matrices from the r gathered rows instead of all m."""
+    m, B = L.shape
+    P, r = rows.shape
+    per = max(1, chunk_elems // (r * B))
+    out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
+    for start in range(0, P, per):
+        sel = valid[start:start + per].to(L.dtype)
+        Lg = L[rows[start:start + per]] * sel[..., None]  # (k, r, B)
+        tol = sel.sum(dim=1) * zero_rtol**2 / m
+        out.append(_one_dim_kernels(Lg.transpose(1, 2) @ Lg, tol))
+    return torch.cat(out, dim=1).contiguous()
 
 
 def _cells_1d(slope: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -219,6 +272,36 @@ def _cells_2d(A: torch.Tensor, offset: torch.Tensor, max_vertices: int) -> torch
     return torch.cat(masks, dim=1)
 
 
+def _missing_slice(
+    L: torch.Tensor,
+    R: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    found: torch.Tensor,
+    t: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """Pre-activations of the missing samples as an affine map of k - 1 free coordinates.
+
+    The missing sample i has xᵢᵀ = pᵢᵀ R with pᵢ the i-th row of Q⁻¹: orthogonal to every found
+    column, so pᵢ lies in their k-dim complement; and pᵢᵀ t = 1 (t = L⁺ g = Q 1, the scale
+    fix), so it lies on a (k-1)-dim affine slice of it, the affine hull of the k missing
+    samples. Returns (offset (m,), slope (m, k-1), norm of the slice's closest point to 0)
+    with W x(w) + b = offset + slope w; None when the found columns leave no such slice.
+    """
+    B = L.shape[1]
+    k = B - found.shape[1]
+    U, _, _ = torch.linalg.svd(found, full_matrices=True)
+    N = U[:, B - k:]  # (B, k) complement of the found columns
+    c = N.T @ t  # pᵢ = N v with cᵀ v = 1
+    if float(c.norm()) <= torch.finfo(L.dtype).eps * float(t.norm()):
+        return None
+    A = weight @ (R.T @ N)  # (m, k): pre-activation slope in v
+    v0 = c / c.square().sum()
+    offset = A @ v0 + bias
+    Uc, _, _ = torch.linalg.svd(c[:, None], full_matrices=True)
+    return offset, A @ Uc[:, 1:], float(v0.norm())
+
+
 def complete_missing(
     L: torch.Tensor,
     R: torch.Tensor,
@@ -232,40 +315,90 @@ def complete_missing(
 ) -> torch.Tensor:
     """Candidates for the k = B - F columns missing from ``found`` (B, F), k ≤ 3 (B, c).
 
-    An exact, search-free completion from what the server knows. The missing sample i has
-    xᵢᵀ = pᵢᵀ R with pᵢ the i-th row of Q⁻¹: orthogonal to every found column, so pᵢ lies in
-    their k-dim complement; and pᵢᵀ t = 1 (t = L⁺ g = Q 1, the scale fix), so it lies on a
-    (k-1)-dim affine slice of it. Its pre-activations W xᵢ + b are affine there, and each cell
-    of their sign arrangement fixes the zero rows of the missing column, whose kernel (when
-    one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3 a
-    plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
+    An exact, search-free completion from what the server knows. The missing samples'
+    pre-activations W xᵢ + b are affine on the (k-1)-dim slice of :func:`_missing_slice`, and
+    each cell of their sign arrangement fixes the zero rows of the missing column, whose kernel
+    (when one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3
+    a plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
     """
     m, B = L.shape
     k = B - found.shape[1]
     empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
     if k < 1 or k > 3:
         return empty
-    U, _, _ = torch.linalg.svd(found, full_matrices=True)
-    N = U[:, B - k:]  # (B, k) complement of the found columns
-    c = N.T @ t  # pᵢ = N v with cᵀ v = 1
-    if float(c.norm()) <= torch.finfo(L.dtype).eps * float(t.norm()):
+    affine = _missing_slice(L, R, weight, bias, found, t)
+    if affine is None:
         return empty
-    A = weight @ (R.T @ N)  # (m, k): pre-activation slope in v
-    v0 = c / c.square().sum()
-    offset = A @ v0 + bias
+    offset, Aw, _ = affine
     if k == 1:
         mask = (offset <= 0)[:, None]
+    elif k == 2:
+        mask = _cells_1d(Aw[:, 0], offset)
     else:
-        Uc, _, _ = torch.linalg.svd(c[:, None], full_matrices=True)
-        Aw = A @ Uc[:, 1:]  # (m, k-1): directions within the slice cᵀ v = 1
-        if k == 2:
-            mask = _cells_1d(Aw[:, 0], offset)
-        else:
-            cells = _cells_2d(Aw, offset, max_vertices)
-            if cells is None:
-                return empty
-            mask = cells
+        cells = _cells_2d(Aw, offset, max_vertices)
+        if cells is None:
+            return empty
+        mask = cells
     mask = mask[:, mask.sum(dim=0) >= B - 1]
     if mask.shape[1] > 1:
         mask = torch.unique(mask, dim=1)
     return pattern_kernels(L, mask, zero_rtol)
+
+
+def sample_missing(
+    L: torch.Tensor,
+    R: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    found: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    zero_rtol: float,
+    generator: torch.Generator,
+    n_samples: int = 2048,
+    radius: tuple[float, float] = (1.0, 100.0),
+) -> torch.Tensor:
+    """Candidates for any number k ≥ 2 of columns missing from ``found`` (B, F) (B, c), unique.
+
+    The randomised form of :func:`complete_missing`, for k too large to enumerate cells. At a
+    point of the slice dominated by the missing sample i, the *most negative* pre-activations
+    are rows where sample i is surely inactive: a subset of the zero rows of column i, so the
+    kernel of L on the B (or B + 4) most negative rows is that column exactly; any other
+    subset has no kernel and is dropped. Points are drawn uniformly in balls of radii
+    log-uniform in ``radius`` x the slice's distance to 0 (far points are as good as near
+    ones: what matters is which sample dominates, see the measurements in ``core.md``).
+    Measured on real photo batches with true columns dropped, 1024 points: (30, 200) 10-16 of
+    12-20 missing recovered in 0.1 s; (100, 1000) 12 of 60 in 1 s. The caller repeats it as
+    the found set grows.
+    """
+    m, B = L.shape
+    k = B - found.shape[1]
+    empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    if k < 2:
+        return empty
+    affine = _missing_slice(L, R, weight, bias, found, t)
+    if affine is None:
+        return empty
+    offset, Aw, dist = affine
+    lo, hi = math.log(radius[0]), math.log(radius[1])
+    u = torch.randn(n_samples, k - 1, generator=generator, dtype=torch.float64)
+    r = torch.rand(n_samples, 1, generator=generator, dtype=torch.float64) ** (1.0 / (k - 1))
+    s = torch.exp(lo + (hi - lo) * torch.rand(n_samples, 1, generator=generator,
+                                              dtype=torch.float64))
+    w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
+    h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
+    found_q = [empty]
+    for n_rows in (B, B + 4):
+        idx = h.topk(min(n_rows, m - 1), dim=0, largest=False).indices  # (n, S)
+        valid = h.gather(0, idx) <= 0
+        use = valid.sum(dim=0) >= B - 1
+        rows, valid = idx.T[use], valid.T[use]  # (P, n)
+        rows, order = rows.sort(dim=1)
+        valid = valid.gather(1, order)
+        rows = torch.where(valid, rows, -1)
+        if rows.shape[0] > 1:
+            rows = torch.unique(rows, dim=0)
+        found_q.append(row_set_kernels(L, rows.clamp_min(0), rows >= 0, zero_rtol))
+    Q = torch.cat(found_q, dim=1)
+    return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
+

@@ -79,6 +79,24 @@ def test_complete_missing_needs_the_right_scale_slice() -> None:
     assert 0 not in _hits(t["Qt"], Qc)
 
 
+def test_sample_missing_recovers_many_dropped_columns() -> None:
+    """Eight of thirty columns dropped (too many for the exact completion): points sampled on
+    the missing samples' slice give back at least six of them, and every kernel it returns is
+    a true column (a B-row subset outside one sample's zero rows has no kernel)."""
+    t = _truth(30, 200, seed=1)
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
+    gen = torch.Generator().manual_seed(0)
+    drop = torch.randperm(30, generator=gen)[:8].tolist()
+    keep = [i for i in range(30) if i not in drop]
+    Qc = refine.sample_missing(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep], system.t,
+                               zero_rtol=1e-4, generator=gen, n_samples=1024)
+    hits = _hits(t["Qt"], Qc)
+    assert len(set(drop) & hits) >= 6, (drop, sorted(hits))
+    Qn = t["Qt"] / t["Qt"].norm(dim=0)
+    cos = (Qn.T @ Qc).abs().max(dim=0).values
+    assert bool((cos > 1 - 1e-6).all()), cos.min()
+
+
 def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
     """Directions a few degrees off the true columns (what ℓ1 returns when a similar sample
     pulls it off) are driven to the exact columns by reweighted least squares, and the
