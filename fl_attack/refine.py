@@ -363,8 +363,10 @@ def sample_missing(
     The randomised form of :func:`complete_missing`, for k too large to enumerate cells. At a
     point of the slice dominated by the missing sample i, the *most negative* pre-activations
     are rows where sample i is surely inactive: a subset of the zero rows of column i, so the
-    kernel of L on the B (or B + 4) most negative rows is that column exactly; any other
-    subset has no kernel and is dropped. Points are drawn uniformly in balls of radii
+    kernel of L on the B (or B + 4) most negative rows is that column exactly. Most other
+    row sets have no kernel and are dropped; some vanish on a mixture of samples (11 of 59
+    kernels were true columns in the unit test), which is why the caller polishes, filters and
+    selects the candidates like any others. Points are drawn uniformly in balls of radii
     log-uniform in ``radius`` x the slice's distance to 0 (far points are as good as near
     ones: what matters is which sample dominates, see the measurements in ``core.md``).
     Measured on real photo batches with true columns dropped, 1024 points: (30, 200) 10-16 of
