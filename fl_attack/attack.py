@@ -351,18 +351,19 @@ class _Search:
             Qp, zeros, _, lev = polish.polish(L, Qc, n_rows=n_rows_c, zero_rtol=rtol)
             self._add(Qp, zeros, lev)
 
-    def _complete(self, Q: torch.Tensor, count: int) -> bool:
-        """Complete the missing columns from W and b (see refine); False when nothing is left
-        to try for this found set.
+    def _complete(self, found: torch.Tensor) -> bool:
+        """Complete the columns missing from ``found`` (B, F) from W and b (see refine); False
+        when nothing is left to try for this found set.
 
         The exact completion runs once per found set of 1-3 missing columns (it gives up on
         3 when the cells are too many: m ≥ 284); the sampled one once per found set and round
         when 2 or more are missing.
         """
+        count = found.shape[1]
         missing = self.B - count
         if missing < 1 or self.system.WR is None or not self.cfg.polish:
             return False
-        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, :count],
+        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
                 self.system.t)
         exact, sampled = (missing, count, -1), (missing, count, self.rounds)
         t0 = time.perf_counter()
@@ -409,8 +410,7 @@ class _Search:
                 self._round_spearpp()
             Q, count, done = self._done()
             # complete from the trusted columns; each completion may enable the next
-            while not done and self.trusted is not None and self._complete(
-                    self.trusted, self.trusted.shape[1]):
+            while not done and self.trusted is not None and self._complete(self.trusted):
                 Q, count, done = self._done()
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"

@@ -101,9 +101,9 @@ class AttackConfig:
     dedupe_tol: float = 1e-6
     """Directions with |cos| > 1 - dedupe_tol are duplicates (up to sign)."""
     slice_samples: int = 2048
-    """Points drawn on the slice of the missing samples when more than 3 columns are missing
-    (``refine.sample_missing``, needs ``weight`` and ``bias``); 0 turns it off. Each point
-    costs three B x B kernels."""
+    """Points drawn on the slice of the missing samples, each round, when 2 or more columns are
+    missing (``refine.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the exact
+    completion); 0 turns it off. Each point costs two row-set kernels (B and B + 4 rows)."""
 
     # --- selection (SPEC §5) --------------------------------------------------------------------
     greedy: bool = True

@@ -90,29 +90,46 @@ def masked_kernels(
     kdim = torch.empty(K, dtype=torch.long, device=L.device)
     gen = torch.Generator().manual_seed(0)
     omega = torch.randn(B, r - 1, generator=gen, dtype=L.dtype).to(L.device)
-    eye = torch.eye(B, dtype=L.dtype, device=L.device)
     for cols, gram in masked_grams(L, mask, chunk_elems):
         start, stop = cols.start, cols.stop
         k = gram.shape[0]
-        tol = eig_tol[start:stop]
-        top = gram.diagonal(dim1=1, dim2=2).amax(dim=1)
-        shift = 1e-12 * top
-        chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
-        bad = info != 0
-        if bool(bad.any()):  # keep the batch finite; these take the eigh fallback below
-            chol[bad] = eye
         q = Q[:, start:stop].T  # (k, B)
         Y = torch.cat([q[:, :, None], omega[None].expand(k, -1, -1)], dim=2)  # (k, B, r)
-        for _ in range(iters):
-            Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
-        T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
-        theta, S = torch.linalg.eigh(0.5 * (T + T.transpose(1, 2)))
-        V = Y @ S  # Ritz vectors, ascending Ritz values
-        if bool(bad.any()):  # not positive definite after the shift: fall back to eigh
-            vals, vecs = torch.linalg.eigh(gram[bad])
-            theta[bad], V[bad] = vals[:, :r], vecs[:, :, :r]
+        theta, V = smallest_ritz_pairs(gram, Y, iters)
+        tol = eig_tol[start:stop]
         out[:, start:stop], kdim[start:stop] = project_to_kernel(q.T, theta, V, tol)
     return out, kdim
+
+
+def smallest_ritz_pairs(
+    gram: torch.Tensor, Y: torch.Tensor, iters: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Approximate smallest eigenpairs of symmetric PSD matrices ``gram`` (k, B, B) from a
+    starting block ``Y`` (k, B, r): (Ritz values (k, r) ascending, Ritz vectors (k, B, r)).
+
+    ``iters`` steps of shift-and-invert subspace iteration with a Cholesky factor of
+    ``gram + 1e-12 max(diag)``, then Rayleigh-Ritz in the block: the kernel is amplified by
+    1/shift² against the rest of the spectrum. Matrices without that factor get the r smallest
+    pairs of a full ``eigh`` instead. Why not ``eigh`` for all: batched B x B eigen-solves for
+    B > 32 are a sequential loop on CUDA (2.8 s for 2000 matrices at B = 100 on an H100, against
+    1 ms for their Cholesky factors).
+    """
+    B, r = gram.shape[-1], Y.shape[-1]
+    eye = torch.eye(B, dtype=gram.dtype, device=gram.device)
+    shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
+    chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+    bad = info != 0
+    if bool(bad.any()):  # keep the batch finite; these take the eigh fallback below
+        chol[bad] = eye
+    for _ in range(iters):
+        Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
+    T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
+    theta, S = torch.linalg.eigh(0.5 * (T + T.transpose(1, 2)))
+    V = Y @ S  # Ritz vectors, ascending Ritz values
+    if bool(bad.any()):  # not positive definite after the shift: fall back to eigh
+        vals, vecs = torch.linalg.eigh(gram[bad])
+        theta[bad], V[bad] = vals[:, :r], vecs[:, :, :r]
+    return theta, V
 
 
 def project_to_kernel(

@@ -15,7 +15,7 @@ import math
 import torch
 
 from fl_attack.filtering import dedupe, zero_mask
-from fl_attack.polish import masked_grams
+from fl_attack.polish import masked_grams, smallest_ritz_pairs
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -169,11 +169,10 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> t
     ``tol`` (k,)) is exactly one-dimensional.
 
     Most candidate row sets have no kernel; a Cholesky factor of the Gram matrix minus the
-    tolerance exists exactly then, so those are dropped at once. The others get two steps of
-    shift-and-invert subspace iteration on a small random block and Rayleigh-Ritz in it: the
-    kernel is amplified by 1/shift² against the rest of the spectrum, so the two smallest Ritz
-    values tell one- from higher-dimensional kernels. (Batched B x B ``eigh`` instead took half
-    of the time on a 2-core CPU at B = 100 and is a sequential loop on CUDA above B = 32.)
+    tolerance exists exactly then, so those are dropped at once. The others get Ritz pairs
+    from a small random block (:func:`fl_attack.polish.smallest_ritz_pairs`), whose two
+    smallest values tell one- from higher-dimensional kernels. (Batched B x B ``eigh`` instead
+    took half of the time on a 2-core CPU at B = 100.)
     """
     B = gram.shape[-1]
     eye = torch.eye(B, dtype=gram.dtype, device=gram.device)
@@ -182,22 +181,10 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> t
     if not bool(singular.any()):
         return torch.empty(B, 0, dtype=gram.dtype, device=gram.device)
     gram, tol = gram[singular], tol[singular]
-    shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
-    chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
     gen = torch.Generator().manual_seed(0)
     Y = torch.randn(B, block, generator=gen, dtype=gram.dtype).to(gram.device)
-    Y = Y[None].expand(gram.shape[0], -1, -1)
-    for _ in range(2):
-        Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
-    theta, S = torch.linalg.eigh(Y.transpose(1, 2) @ gram @ Y)
-    vec = (Y @ S[:, :, :1])[:, :, 0]  # (k, B)
-    ok = (info == 0) & (theta[:, 0] <= tol) & (theta[:, 1] > tol)
-    hard = info != 0  # singular even after the shift: the exact decomposition decides
-    if bool(hard.any()):
-        vals, vecs = torch.linalg.eigh(gram[hard])
-        ok[hard] = (vals[:, 0] <= tol[hard]) & (vals[:, 1] > tol[hard])
-        vec[hard] = vecs[:, :, 0]
-    vec = vec[ok]
+    theta, V = smallest_ritz_pairs(gram, Y[None].expand(gram.shape[0], -1, -1))
+    vec = V[:, :, 0][(theta[:, 0] <= tol) & (theta[:, 1] > tol)]
     return (vec / vec.norm(dim=1, keepdim=True)).T
 
 
@@ -389,7 +376,7 @@ def sample_missing(
                                               dtype=torch.float64))
     w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
-    found_q = [empty]
+    cands = [empty]
     for n_rows in (B, B + 4):
         idx = h.topk(min(n_rows, m - 1), dim=0, largest=False).indices  # (n, S)
         valid = h.gather(0, idx) <= 0
@@ -400,7 +387,7 @@ def sample_missing(
         rows = torch.where(valid, rows, -1)
         if rows.shape[0] > 1:
             rows = torch.unique(rows, dim=0)
-        found_q.append(row_set_kernels(L, rows.clamp_min(0), rows >= 0, zero_rtol))
-    Q = torch.cat(found_q, dim=1)
+        cands.append(row_set_kernels(L, rows.clamp_min(0), rows >= 0, zero_rtol))
+    Q = torch.cat(cands, dim=1)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
 
