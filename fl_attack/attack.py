@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import filtering, polish, refine, sampling, search, select
+from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
@@ -203,12 +203,14 @@ class _Search:
         self.pool_zeros = torch.empty(0, dtype=torch.long, device=device)
         self.match: select.Match | None = None
         self.rounds = self.swaps = self.n_candidates = 0
-        noisy = _noise_ratio(dec) > 1e-3
-        self.lambda_stop = cfg.lambda_stop or (0.98 if noisy else 1.0)
+        self.noisy = _noise_ratio(dec) > 1e-3
+        self.lambda_stop = cfg.lambda_stop or (0.98 if self.noisy else 1.0)
         self.faces_seen: set[bytes] = set()
         self.samples = 0
         self.trusted: torch.Tensor | None = None
         """Columns believed right so far; later rounds search their complement."""
+        self.verdicts: dict[bytes, tuple[bool, int]] = {}
+        """Feasibility of a column's zero pattern -> (feasible, missing columns when checked)."""
 
     def _objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The loss of the SPEAR++ search; None: the configured sparsity loss φ."""
@@ -384,6 +386,33 @@ class _Search:
         self._tick("complete", t0)
         return True
 
+    def _feasible(self, cols: torch.Tensor) -> torch.Tensor:
+        """Mask of the found columns (B, F) whose ReLU pattern is feasible given the others.
+
+        One LP per column (``feasibility.pattern_margins``) once at most ``verify_dim`` columns
+        are missing; a verdict is kept until the number missing has halved (the test tightens
+        as columns are added). Clean updates with weight and bias only.
+        """
+        F = cols.shape[1]
+        missing = self.B - F
+        keep = torch.ones(F, dtype=torch.bool, device=cols.device)
+        if (self.noisy or self.system.WR is None or not self.cfg.verify_dim
+                or missing > self.cfg.verify_dim):
+            return keep
+        t0 = time.perf_counter()
+        zero = filtering.zero_mask(self.dec.L @ cols, self.system.zero_rtol).cpu()
+        keys = [zero[:, j].numpy().tobytes() for j in range(F)]
+        todo = [j for j, key in enumerate(keys)
+                if key not in self.verdicts or missing <= self.verdicts[key][1] // 2]
+        if todo:
+            margins = feasibility.pattern_margins(cols, self.system, torch.tensor(todo))
+            for j, margin in zip(todo, margins.tolist(), strict=True):  # NaN: feasible
+                self.verdicts[keys[j]] = (not margin < feasibility.FAIL_MARGIN, missing)
+        for j, key in enumerate(keys):
+            keep[j] = self.verdicts[key][0]
+        self._tick("verify", t0)
+        return keep
+
     def _done(self) -> tuple[torch.Tensor, int, bool]:
         """Select and check whether the selection is complete and certified enough."""
         t0 = time.perf_counter()
@@ -393,6 +422,8 @@ class _Search:
         if self.match is not None:  # with a full basis, trust the columns whose patterns match
             self.trusted = Q[:, self.match.per_column >= self.dec.L.shape[0]]
         self._tick("select", t0)
+        if self.match is None and 0 < count < self.B:
+            self.trusted = self.trusted[:, self._feasible(self.trusted)]
         done = count == self.B and (self.match is None or self.match.value >= self.lambda_stop)
         return Q, count, done
 
@@ -414,8 +445,9 @@ class _Search:
                 Q, count, done = self._done()
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"
+                trusted = self.trusted.shape[1] if self.trusted is not None else 0
                 print(f"[fl_attack] round {self.rounds}: {self.n_candidates} candidates, "
-                      f"{count}/{self.B} directions, λ={lam}", flush=True)
+                      f"{count}/{self.B} directions ({trusted} trusted), λ={lam}", flush=True)
             if done or self._out_of_time() or (spear and self.samples >= self.cfg.max_samples):
                 break
             if not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates:

@@ -106,6 +106,11 @@ class AttackConfig:
     completion); 0 turns it off. Each point costs two row-set kernels (B and B + 4 rows)."""
 
     # --- selection (SPEC §5) --------------------------------------------------------------------
+    verify_dim: int = 64
+    """While fewer than B columns are found, trust (build the next rounds and the completion on)
+    only columns whose ReLU pattern is feasible given the others (``feasibility``, one LP per
+    column), once at most ``verify_dim`` columns are missing; 0 turns it off. Skipped on noisy
+    updates. At B = 100, m = 1000 a photo batch stalled at 93/100 with 4 mixtures trusted."""
     greedy: bool = True
     """Stage 2: swap columns for spare candidates while the sparsity-matching λ increases."""
     max_swaps: int = 200
@@ -157,10 +162,10 @@ class AttackConfig:
                                             or self.max_rounds < 1):
             raise ValueError(f"max_rounds must be a positive int or None, got {self.max_rounds!r}")
         for name in ("steps", "samples_per_step", "max_samples", "max_swaps", "slice_samples",
-                     "swap_positions", "max_face_dim"):
+                     "verify_dim", "swap_positions", "max_face_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0 or (
-                    name not in ("max_swaps", "slice_samples") and value == 0):
+                    name not in ("max_swaps", "slice_samples", "verify_dim") and value == 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.max_faces is not None and (not isinstance(self.max_faces, int)
                                            or self.max_faces < 1):

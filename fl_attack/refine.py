@@ -344,21 +344,26 @@ def sample_missing(
     generator: torch.Generator,
     n_samples: int = 2048,
     radius: tuple[float, float] = (1.0, 100.0),
+    fractions: tuple[float, ...] = (0.6, 0.75),
 ) -> torch.Tensor:
     """Candidates for any number k ≥ 2 of columns missing from ``found`` (B, F) (B, c), unique.
 
     The randomised form of :func:`complete_missing`, for k too large to enumerate cells. At a
     point of the slice dominated by the missing sample i, the *most negative* pre-activations
     are rows where sample i is surely inactive: a subset of the zero rows of column i, so the
-    kernel of L on the B (or B + 4) most negative rows is that column exactly. Most other
-    row sets have no kernel and are dropped; some vanish on a mixture of samples (11 of 59
-    kernels were true columns in the unit test), which is why the caller polishes, filters and
-    selects the candidates like any others. Points are drawn uniformly in balls of radii
-    log-uniform in ``radius`` x the slice's distance to 0 (far points are as good as near
-    ones: what matters is which sample dominates, see the measurements in ``core.md``).
-    Measured on real photo batches with true columns dropped, 1024 points: (30, 200) 10-16 of
-    12-20 missing recovered in 0.1 s; (100, 1000) 12 of 60 in 1 s. The caller repeats it as
-    the found set grows.
+    kernel of L on such a row set is that column exactly once the set is large enough to
+    exclude the samples whose patterns are like i's. Each point gives three row sets: its B
+    most negative rows, and the most negative ``fractions`` of its negative rows (a cluster of
+    13 similar samples missing at B = 100, m = 1000 shared 470-487 zero rows pairwise: the
+    B-row sets only gave their common faces; 70% of the negative rows gave all 13 columns).
+    Most other row sets have no kernel and are dropped; some vanish on a mixture of samples,
+    which is why the caller polishes, filters and selects the candidates like any others.
+    Points are drawn uniformly in balls of radii log-uniform in ``radius`` x the slice's
+    distance to 0 (far points are as good as near ones: what matters is which sample
+    dominates, see the measurements in ``core.md``). Measured on real photo batches with true
+    columns dropped: (30, 200), 1024 points: 4/4, 7-8/8, 11-15/16, 16-17/24 in 0.1 s;
+    (100, 1000), 2048 points: 7/10, 18/30, 16/60 in 3-4 s (2 threads). The caller repeats it
+    as the found set grows.
     """
     m, B = L.shape
     k = B - found.shape[1]
@@ -377,9 +382,13 @@ def sample_missing(
     w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
     cands = [empty]
-    for n_rows in (B, B + 4):
-        idx = h.topk(min(n_rows, m - 1), dim=0, largest=False).indices  # (n, S)
-        valid = h.gather(0, idx) <= 0
+    negative = (h <= 0).sum(dim=0)
+    for size in (None, *fractions):
+        n_rows = (torch.full_like(negative, B) if size is None
+                  else (size * negative).ceil().long().clamp(B, m - 1))
+        top = int(n_rows.max())
+        idx = h.topk(top, dim=0, largest=False).indices  # (top, S)
+        valid = (h.gather(0, idx) <= 0) & (torch.arange(top, device=h.device)[:, None] < n_rows)
         use = valid.sum(dim=0) >= B - 1
         rows, valid = idx.T[use], valid.T[use]  # (P, n)
         rows, order = rows.sort(dim=1)

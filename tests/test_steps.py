@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_attack import data, filtering, models, polish, refine, search
+from fl_attack import data, feasibility, filtering, models, polish, refine, search
 from fl_attack.decompose import decompose
 from fl_attack.scale import make_system
 
@@ -94,6 +94,28 @@ def test_sample_missing_recovers_many_dropped_columns() -> None:
                                zero_rtol=1e-4, generator=gen, n_samples=1024)
     hits = _hits(t["Qt"], Qc)
     assert len(set(drop) & hits) >= 4, (drop, sorted(hits))
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
+    """A partial set of true columns passes the LP feasibility test; adding the mixture of the
+    two samples with the most shared zero rows (one found, one missing) makes the mixture and
+    its found partner infeasible and leaves every other column feasible. (Measured margins:
+    true ≥ 0.03, mixture -0.75 / -0.90, partner -0.99 / -1.0.)"""
+    t = _truth(30, 200, seed=seed)
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
+    Qt = t["Qt"] / t["Qt"].norm(dim=0)
+    zero = filtering.zero_mask(t["L"] @ Qt, 1e-4).double()
+    shared = zero.T @ zero
+    shared.fill_diagonal_(0)
+    i, j = divmod(int(shared.argmax()), 30)
+    keep = [c for c in range(30) if c not in (j, 3, 7, 11, 19, 23, 27) or c == i][:22]
+    found = Qt[:, keep]
+    assert bool((feasibility.pattern_margins(found, system) >= feasibility.FAIL_MARGIN).all())
+    mix = (Qt[:, i] + Qt[:, j]) / (Qt[:, i] + Qt[:, j]).norm()
+    margins = feasibility.pattern_margins(torch.cat([found, mix[:, None]], dim=1), system)
+    bad = set(torch.nonzero(margins < feasibility.FAIL_MARGIN).squeeze(1).tolist())
+    assert bad == {len(keep), keep.index(i)}, (sorted(bad), margins)
 
 
 def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
