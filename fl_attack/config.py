@@ -164,9 +164,10 @@ class AttackConfig:
         for name in ("steps", "samples_per_step", "max_samples", "max_swaps", "slice_samples",
                      "verify_dim", "swap_positions", "max_face_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0 or (
-                    name not in ("max_swaps", "slice_samples", "verify_dim") and value == 0):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            zero_ok = name in ("max_swaps", "slice_samples", "verify_dim")  # 0: off
+            if not isinstance(value, int) or value < 0 or (not zero_ok and value == 0):
+                kind = "non-negative" if zero_ok else "positive"
+                raise ValueError(f"{name} must be a {kind} int, got {value!r}")
         if self.max_faces is not None and (not isinstance(self.max_faces, int)
                                            or self.max_faces < 1):
             raise ValueError(f"max_faces must be a positive int or None, got {self.max_faces!r}")

@@ -220,6 +220,9 @@ def test_unknown_options(layer) -> None:
         fl_attack.invert(G, g, sparse="inputs")
     with pytest.raises(ValueError, match="steps must be a positive int"):
         fl_attack.AttackConfig(steps=0)
+    with pytest.raises(ValueError, match="verify_dim must be a non-negative int"):
+        fl_attack.AttackConfig(verify_dim=-1)
+    assert fl_attack.AttackConfig(verify_dim=0).verify_dim == 0  # 0: the check is off
 
 
 def test_tau_binomial_tail() -> None:
