@@ -255,8 +255,8 @@ class _Search:
         dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
         L = self.dec.L.to(dtype)
         t0 = time.perf_counter()
-        # after the first round, start only orthogonal to the columns found so far
-        use = cfg.deflate and self.complement_restarts and self.rounds > 1
+        # once columns are found, start only orthogonal to them
+        use = cfg.deflate and self.complement_restarts and self.trusted is not None
         trusted = self.trusted if use else None
         deflate = trusted is not None and 0 < trusted.shape[1] < B
         if deflate:
@@ -438,6 +438,17 @@ class _Search:
         max_rounds = max_rounds if not spear else 1 << 62
         self.completed: set[tuple[int, int, int]] = set()
         last, stale = None, 0
+        if not spear and self.cfg.slice_first:
+            # complete from nothing: the slice of all B samples (refine.sample_missing)
+            self.trusted = torch.empty(self.B, 0, dtype=torch.float64, device=self.device)
+            done, count = False, 0
+            while not done and not self._out_of_time() and self._complete(self.trusted):
+                _, count, done = self._done()
+            if self.cfg.progress:
+                print(f"[fl_attack] slice sampling before the search: {count}/{self.B} "
+                      f"directions", flush=True)
+            if done:
+                return self._finish()
         for _ in range(max_rounds):
             self.rounds += 1
             if spear:
@@ -446,7 +457,8 @@ class _Search:
                 self._round_spearpp()
             Q, count, done = self._done()
             # complete from the trusted columns; each completion may enable the next
-            while not done and self.trusted is not None and self._complete(self.trusted):
+            while (not done and self.trusted is not None and not self._out_of_time()
+                   and self._complete(self.trusted)):
                 Q, count, done = self._done()
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"
@@ -467,6 +479,10 @@ class _Search:
                     generator=self.generator)
                 self._split_faces(seeds, self._n_rows())
                 self._tick("neighbours", t0)
+        return self._finish()
+
+    def _finish(self) -> tuple[torch.Tensor, int]:
+        """Final selection (stage 2 swaps), and the repair of 1-3 mismatching columns."""
         t0 = time.perf_counter()
         Q, count, spare = self._select()
         if self.cfg.greedy and self.system.WR is not None:

@@ -159,9 +159,10 @@ def test_auto_falls_back_to_the_input_side() -> None:
 @pytest.mark.parametrize(("layer", "seed"), [(1, 0), (2, 3)])
 def test_auto_returns_the_better_side_not_the_higher_lambda(layer: int, seed: int) -> None:
     """Photos, B = 20, layers 2 and 3: neither side is certified, and the output side has the
-    higher λ but no sample right, while the input side recovers most samples exactly (measured:
-    layer 2 seed 0, λ 0.954 vs 0.821, 0 vs 17 samples > 90 dB; layer 3 seed 3, λ 0.821 vs 0.800,
-    0 vs 16). Ranked by λ, ``"auto"`` returned the output side; ranked by
+    higher λ but few samples right, while the input side recovers most samples exactly
+    (measured: layer 2 seed 0, λ 0.954 vs 0.821, 0 vs 17 samples > 90 dB — 2 vs 17 since the
+    feasibility check changed which columns the search builds on; layer 3 seed 3, λ 0.821 vs
+    0.800, 0 vs 16). Ranked by λ, ``"auto"`` returned the output side; ranked by
     :func:`fl_attack.input_layer.side_score` (same score for both sides) it returns the input side,
     the better one against the true layer inputs. Slice sampling is off: with it the output
     side of the first case is now certified exact, which leaves nothing to rank."""
@@ -176,7 +177,7 @@ def test_auto_returns_the_better_side_not_the_higher_lambda(layer: int, seed: in
     psnr_out = metrics.score_batch(out.inputs, X, data_range=scale)
     psnr_auto = metrics.score_batch(auto.inputs, X, data_range=scale)
     assert psnr_auto.mean_psnr > psnr_out.mean_psnr + 50.0
-    assert int((psnr_auto.psnr > 90).sum()) >= 15 and int((psnr_out.psnr > 90).sum()) == 0
+    assert int((psnr_auto.psnr > 90).sum()) >= 15 and int((psnr_out.psnr > 90).sum()) <= 5
 
 
 def test_auto_on_a_very_narrow_layer_does_not_crash() -> None:
