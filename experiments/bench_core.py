@@ -10,6 +10,7 @@ protocol), FedSGD, default settings. Writes experiments/results/core.md (appends
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import platform
 import resource
@@ -30,7 +31,8 @@ PAPER = {  # SPEC §9: SPEAR++ (ℓ1, RAdam) PSNR / accuracy %
 RESULTS = Path(__file__).parent / "results" / "core.md"
 
 
-def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float | None) -> dict:
+def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float | None,
+                options: dict | None = None) -> dict:
     """Invert ``batches`` real batches at (B, m); returns the table row's numbers."""
     psnrs, secs, exact = [], [], 0
     for seed in range(batches):
@@ -41,7 +43,7 @@ def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float |
         lin = models.linear_layers(model)[0]
         t0 = time.perf_counter()
         rec = fl_attack.invert(G, g, weight=lin.weight.detach(), bias=lin.bias.detach(),
-                               seed=seed, max_seconds=max_seconds)
+                               seed=seed, max_seconds=max_seconds, **(options or {}))
         secs.append(time.perf_counter() - t0)
         images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), dataset)
         score = metrics.score_batch(images, x)
@@ -62,12 +64,26 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--dataset", default="photos32")
     parser.add_argument("--max-seconds", type=float, default=None)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an AttackConfig option passed to every invert call, e.g. "
+                             "slice_first=True (repeatable; recorded in the section header)")
     args = parser.parse_args()
+    options = {}
+    for item in args.option:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--option takes NAME=VALUE, got {item!r}")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[name] = value
+    fl_attack.AttackConfig.from_options(**options)  # unknown names / bad values fail here
     torch.set_num_threads(max(1, torch.get_num_threads()))
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     cpu = platform.processor() or platform.machine()
     header = (f"\n## {dt.date.today().isoformat()} — {platform.node()}, {cpu}, "
-              f"device {device}, dataset {args.dataset}, max_seconds {args.max_seconds}\n\n"
+              f"device {device}, dataset {args.dataset}, max_seconds {args.max_seconds}"
+              f"{', options ' + repr(options) if options else ''}\n\n"
               "| B | m | batches | acc % (>90 dB) | certified % (λ=1) | mean PSNR | median s/batch | "
               "peak RSS MiB (process) | paper acc % / PSNR |\n|---|---|---|---|---|---|---|---|---|\n")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +95,7 @@ def main() -> None:
         fh.write(header)
     for item in args.settings.split(","):
         B, m = (int(v) for v in item.split("x"))
-        res = run_setting(B, m, args.batches, args.dataset, args.max_seconds)
+        res = run_setting(B, m, args.batches, args.dataset, args.max_seconds, options)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         paper = PAPER.get((B, m), (float("nan"), float("nan")))
         row = (f"| {B} | {m} | {res['batches']} | {res['acc']:.0f} | {res['certified']:.0f} | "
