@@ -23,6 +23,7 @@ import torch
 from scipy.optimize import linprog
 
 from fl_attack.filtering import zero_mask
+from fl_attack.refine import dual_slice
 from fl_attack.scale import LayerSystem
 
 FAIL_MARGIN = -1e-2
@@ -55,13 +56,12 @@ def pattern_margins(
     sure = ~zero | zero_mask(V, system.zero_rtol * 1e-2)  # the ambiguous band left out
     out = torch.full((len(which),), float("nan"), dtype=torch.float64)
     for n, j in enumerate(which.tolist()):
-        E = torch.cat([cols[:, :j], cols[:, j + 1:], t[:, None]], dim=1)  # a^T E = (0, .., 1)
-        rhs = torch.zeros(E.shape[1], 1, dtype=E.dtype, device=E.device)
-        rhs[-1] = 1.0
-        a0 = torch.linalg.lstsq(E.T, rhs).solution[:, 0]
-        _, _, Vh = torch.linalg.svd(E.T, full_matrices=True)
-        N = Vh[E.shape[1]:].T  # (B, B - F): the affine set is a0 + span(N)
-        A, c0 = WR @ N, WR @ a0 + bias
+        dual = dual_slice(torch.cat([cols[:, :j], cols[:, j + 1:]], dim=1), t)
+        if dual is None:
+            continue
+        N, v0, U = dual  # the affine set: a = N (v0 + U y)
+        WN = WR @ N
+        A, c0 = WN @ U, WN @ v0 + bias
         rows = sure[:, j]
         sign = torch.where(zero[rows, j], -1.0, 1.0).to(A.dtype)
         A, c0 = A[rows], c0[rows]

@@ -275,18 +275,31 @@ def _missing_slice(
     samples. Returns (offset (m,), slope (m, k-1), norm of the slice's closest point to 0)
     with W x(w) + b = offset + slope w; None when the found columns leave no such slice.
     """
-    B = L.shape[1]
+    dual = dual_slice(found, t)
+    if dual is None:
+        return None
+    N, v0, U = dual
+    A = weight @ (R.T @ N)  # (m, k): pre-activation slope in v
+    return A @ v0 + bias, A @ U, float(v0.norm())
+
+
+def dual_slice(
+    found: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows p of Q⁻¹ left for the samples missing from ``found`` (B, F): p ⊥ every found
+    column and pᵀ t = 1. Returns (N (B, k), v0 (k,), U (k, k-1)) with p = N (v0 + U w),
+    w ∈ R^(k-1), v0 the point closest to 0; None when t is orthogonal to the complement.
+    Shared by :func:`_missing_slice` and :func:`fl_attack.feasibility.pattern_margins`.
+    """
+    B = found.shape[0]
     k = B - found.shape[1]
     U, _, _ = torch.linalg.svd(found, full_matrices=True)
     N = U[:, B - k:]  # (B, k) complement of the found columns
-    c = N.T @ t  # pᵢ = N v with cᵀ v = 1
-    if float(c.norm()) <= torch.finfo(L.dtype).eps * float(t.norm()):
+    c = N.T @ t  # p = N v with cᵀ v = 1
+    if float(c.norm()) <= torch.finfo(t.dtype).eps * float(t.norm()):
         return None
-    A = weight @ (R.T @ N)  # (m, k): pre-activation slope in v
-    v0 = c / c.square().sum()
-    offset = A @ v0 + bias
     Uc, _, _ = torch.linalg.svd(c[:, None], full_matrices=True)
-    return offset, A @ Uc[:, 1:], float(v0.norm())
+    return N, c / c.square().sum(), Uc[:, 1:]
 
 
 def complete_missing(
