@@ -431,6 +431,15 @@ class _Search:
         done = count == self.B and (self.match is None or self.match.value >= self.lambda_stop)
         return Q, count, done
 
+    def _completions(self, Q: torch.Tensor, count: int,
+                     done: bool) -> tuple[torch.Tensor, int, bool]:
+        """Complete from the trusted columns while each completion may enable the next; the
+        selection state (``_done``'s result) after the last one."""
+        while (not done and self.trusted is not None and not self._out_of_time()
+               and self._complete(self.trusted)):
+            Q, count, done = self._done()
+        return Q, count, done
+
     def find(self) -> tuple[torch.Tensor, int]:
         """Search until B directions with λ ≥ the stop level, the round cap or the time budget."""
         spear = self.cfg.method == "spear"
@@ -439,11 +448,9 @@ class _Search:
         self.completed: set[tuple[int, int, int]] = set()
         last, stale = None, 0
         if not spear and self.cfg.slice_first:
-            # complete from nothing: the slice of all B samples (refine.sample_missing)
-            self.trusted = torch.empty(self.B, 0, dtype=torch.float64, device=self.device)
-            done, count = False, 0
-            while not done and not self._out_of_time() and self._complete(self.trusted):
-                _, count, done = self._done()
+            # complete from nothing (the empty pool selects no column): the slice of all B
+            # samples (refine.sample_missing)
+            _, count, done = self._completions(*self._done())
             if self.cfg.progress:
                 print(f"[fl_attack] slice sampling before the search: {count}/{self.B} "
                       f"directions", flush=True)
@@ -455,11 +462,7 @@ class _Search:
                 self._round_spear()
             else:
                 self._round_spearpp()
-            Q, count, done = self._done()
-            # complete from the trusted columns; each completion may enable the next
-            while (not done and self.trusted is not None and not self._out_of_time()
-                   and self._complete(self.trusted)):
-                Q, count, done = self._done()
+            Q, count, done = self._completions(*self._done())
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"
                 trusted = self.trusted.shape[1] if self.trusted is not None else 0
