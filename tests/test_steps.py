@@ -159,6 +159,29 @@ def test_starts_in_the_complement_reach_the_missing_columns() -> None:
     assert counts[0] >= 3 * max(counts[1], 1), counts
 
 
+def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
+    """Polishing's Gram matrices and leverages, formed from gathered rows in chunks ordered by
+    size, equal Lᵀ diag(mask) L and max over masked rows of lᵀ (G + q qᵀ)⁻¹ l, per column."""
+    gen = torch.Generator().manual_seed(0)
+    L = torch.linalg.qr(torch.randn(300, 12, generator=gen, dtype=torch.float64)).Q
+    mask = torch.rand(300, 9, generator=gen) < torch.linspace(0.05, 0.9, 9)
+    Q = torch.randn(12, 9, generator=gen, dtype=torch.float64)
+    Q = Q / Q.norm(dim=0)
+    seen = torch.zeros(9, dtype=torch.long)
+    for cols, gram in polish.masked_grams(L, mask, chunk_elems=12 * 300):  # several chunks
+        for c, G in zip(cols.tolist(), gram, strict=True):
+            seen[c] += 1
+            ref = L.T @ (L * mask[:, c, None].double())
+            assert torch.allclose(G, ref, atol=1e-13)
+    assert seen.tolist() == [1] * 9
+    lev = polish.max_leverage(L, Q, mask, chunk_elems=12 * 300)
+    for c in range(9):
+        Lz = L[mask[:, c]]
+        M = Lz.T @ Lz + Q[:, c, None] * Q[None, :, c]
+        ref = (Lz @ torch.linalg.solve(M, Lz.T)).diagonal().max()
+        assert float(lev[c]) == pytest.approx(float(ref), abs=1e-10)
+
+
 def test_masked_kernels_match_full_eigendecompositions() -> None:
     """The Cholesky-based kernel projection used by polishing gives the eigh reference's kernel
     dimensions and directions, on true columns (1-d kernels on their zero rows), on faces
