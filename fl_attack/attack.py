@@ -251,7 +251,6 @@ class _Search:
 
     def _round_spearpp(self) -> None:
         cfg, B = self.cfg, self.B
-        K = cfg.n_init or max(256, 20 * B)
         dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
         L = self.dec.L.to(dtype)
         t0 = time.perf_counter()
@@ -259,6 +258,8 @@ class _Search:
         use = cfg.deflate and self.complement_restarts and self.trusted is not None
         trusted = self.trusted if use else None
         deflate = trusted is not None and 0 < trusted.shape[1] < B
+        # 20 starts per column sought: all B at first, then the missing ones in the complement
+        K = cfg.n_init or max(256, 20 * (B - trusted.shape[1] if deflate else B))
         if deflate:
             assert trusted is not None
             init = search.random_complement(trusted, K, generator=self.generator, dtype=dtype,

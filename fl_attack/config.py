@@ -41,7 +41,9 @@ class AttackConfig:
     optimizer: str = "radam"
     """``"radam"`` (Riemannian Adam on the sphere, geoopt) or ``"pgd"`` (projected gradient)."""
     n_init: int | None = None
-    """Random initialisations per round, optimised as one B x K batch. None: ``max(256, 20 B)``."""
+    """Random initialisations per round, optimised as one B x K batch. None: ``max(256, 20 B)``,
+    and ``max(256, 20 k)`` in rounds that start in the complement of the F found columns
+    (k = B - F missing; polishing and IRLS cost grows with K, ~O(K m B²))."""
     steps: int = 300
     """Optimisation steps per round (the paper used 500; polishing makes fewer enough)."""
     lr: float | None = None
