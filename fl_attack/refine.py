@@ -208,11 +208,12 @@ def row_set_kernels(L: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, ze
     (P, r) are used: Gram matrices from the gathered rows instead of all m.
 
     Almost no row set has a kernel, so every Gram matrix is first formed in float32 and screened
-    with a Cholesky factor shifted by 1e-4 x its mean eigenvalue (a true kernel's eigenvalue
-    stays within ~1e-6 of 0 in float32; the other sets' smallest ones are ~1e-2); only the
-    sets that fail get their float64 Gram and the exact test. Sets are taken in order of size so
-    each chunk is padded to its own largest set. (At B = 210, m = 4000 the float64 Grams of
-    every set took 22 s of a 31 s call on 2 cores.)
+    with a Cholesky factor shifted by the exact test's tolerance plus 1e-4 x its mean eigenvalue
+    (a true kernel's eigenvalue stays within ~1e-6 of 0 in float32; the other sets' smallest
+    ones are ~1e-2), so no set the exact test would keep is dropped, also under noise where
+    the tolerance is large; only the sets that fail get their float64 Gram and the exact test.
+    Sets are taken in order of size so each chunk is padded to its own largest set. (At
+    B = 210, m = 4000 the float64 Grams of every set took 22 s of a 31 s call on 2 cores.)
     """
     m, B = L.shape
     P = rows.shape[0]
@@ -238,7 +239,8 @@ def row_set_kernels(L: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, ze
         r, v = rows[start:end, :w], valid[start:end, :w]
         Lg = L32[r] * v[..., None].float()  # (k, w, B)
         gram = Lg.transpose(1, 2) @ Lg
-        shift = 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
+        tol = v.sum(dim=1).to(torch.float32) * zero_rtol**2 / m  # the exact test's
+        shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
         _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
         near = torch.nonzero(info != 0).squeeze(1)
         if near.numel():
