@@ -192,63 +192,26 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> to
     """Unit columns whose zero rows are exactly a candidate ReLU pattern (B, c).
 
     For each column of ``mask`` (m, P) keep the kernel of L on those rows when it is exactly
-    one-dimensional: that pattern then determines a column.
+    one-dimensional: that pattern then determines a column. Almost no pattern has a kernel, so
+    every Gram matrix is first formed in float32 and screened with a Cholesky factor shifted by
+    the exact test's tolerance plus 1e-4 x its mean eigenvalue (a true kernel's eigenvalue stays
+    within ~1e-6 of 0 in float32; the other patterns' smallest ones are ~1e-2), so no pattern
+    the exact test would keep is dropped, also under noise where the tolerance is large. Only
+    the patterns that fail get their float64 Gram and the exact test. (At B = 210, m = 4000 the
+    float64 Grams of every row set of a slice-sampling call took 22 s of 31 s on 2 cores.)
     """
     m, B = L.shape
     out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
-    for cols, gram in masked_grams(L, mask):
-        tol = mask[:, cols].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
-        out.append(_one_dim_kernels(gram, tol))
-    return torch.cat(out, dim=1).contiguous()
-
-
-def row_set_kernels(L: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, zero_rtol: float,
-                    chunk_elems: int = 2**25) -> torch.Tensor:
-    """:func:`pattern_kernels` for row sets given as indices ``rows`` (P, r), of which ``valid``
-    (P, r) are used: Gram matrices from the gathered rows instead of all m.
-
-    Almost no row set has a kernel, so every Gram matrix is first formed in float32 and screened
-    with a Cholesky factor shifted by the exact test's tolerance plus 1e-4 x its mean eigenvalue
-    (a true kernel's eigenvalue stays within ~1e-6 of 0 in float32; the other sets' smallest
-    ones are ~1e-2), so no set the exact test would keep is dropped, also under noise where
-    the tolerance is large; only the sets that fail get their float64 Gram and the exact test.
-    Sets are taken in order of size so each chunk is padded to its own largest set. (At
-    B = 210, m = 4000 the float64 Grams of every set took 22 s of a 31 s call on 2 cores.)
-    """
-    m, B = L.shape
-    P = rows.shape[0]
-    empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
-    if P == 0:
-        return empty
-    counts = valid.sum(dim=1)
-    prefix = torch.arange(valid.shape[1], device=valid.device) < counts[:, None]
-    if not bool((valid == prefix).all()):
-        first = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid rows first
-        rows, valid = rows.gather(1, first), valid.gather(1, first)
-    by_size = torch.argsort(counts)
-    rows, valid, counts = rows[by_size], valid[by_size], counts[by_size].cpu()
-    L32 = L.float()
     eye = torch.eye(B, dtype=torch.float32, device=L.device)
-    out = [empty]
-    start = 0
-    while start < P:
-        ends = torch.arange(start + 1, P + 1)
-        fits = (ends - start) * counts[ends - 1].clamp_min(1) * B <= chunk_elems
-        end = int(ends[fits].max()) if bool(fits.any()) else start + 1
-        w = max(int(counts[end - 1]), 1)
-        r, v = rows[start:end, :w], valid[start:end, :w]
-        Lg = L32[r] * v[..., None].float()  # (k, w, B)
-        gram = Lg.transpose(1, 2) @ Lg
-        tol = v.sum(dim=1).to(torch.float32) * zero_rtol**2 / m  # the exact test's
+    for cols, gram in masked_grams(L.float(), mask):
+        tol = mask[:, cols].sum(dim=0).to(torch.float32) * zero_rtol**2 / m
         shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
         _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
-        near = torch.nonzero(info != 0).squeeze(1)
+        near = cols[info != 0]
         if near.numel():
-            r, v = r[near], v[near].to(L.dtype)
-            Lg = L[r] * v[..., None]
-            tol = v.sum(dim=1) * zero_rtol**2 / m
-            out.append(_one_dim_kernels(Lg.transpose(1, 2) @ Lg, tol))
-        start = end
+            for sub, exact in masked_grams(L, mask[:, near]):
+                tol = mask[:, near[sub]].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
+                out.append(_one_dim_kernels(exact, tol))
     return torch.cat(out, dim=1).contiguous()
 
 
@@ -440,16 +403,12 @@ def sample_missing(
         width = int(n_rows.max())
         valid = is_neg[:width] & (ranks[:width] < n_rows)
         use = valid.sum(dim=0) >= B - 1
-        rows, valid = idx[:width].T[use], valid.T[use]  # (P, width), most negative first
-        if rows.shape[0] > 1:  # one row set per distinct set of rows
-            key = torch.where(valid, rows, -1).sort(dim=1).values
-            _, inverse = torch.unique(key, dim=0, return_inverse=True)
-            first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.long,
-                               device=rows.device)
-            first = first.scatter_reduce(0, inverse, torch.arange(rows.shape[0],
-                                                                  device=rows.device), "amin")
-            rows, valid = rows[first], valid[first]
-        cands.append(row_set_kernels(L, rows, valid, zero_rtol))
+        rows = torch.where(valid[:, use], idx[:width, use], m)  # row m: not in the set
+        mask = torch.zeros(m + 1, rows.shape[1], dtype=torch.bool, device=h.device)
+        mask = mask.scatter_(0, rows, True)[:m]  # (m, P) row sets
+        if mask.shape[1] > 1:
+            mask = torch.unique(mask, dim=1)
+        cands.append(pattern_kernels(L, mask, zero_rtol))
     Q = torch.cat(cands, dim=1)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
 
