@@ -194,6 +194,10 @@ draws new points, and its yield is random: at B = 210, m = 4000, once ~70 column
 calls of 2048 points add 1-7 columns and some none; a call there costs ~15 s on 2 cores, a
 search round in the complement ~330 s (of which IRLS 220 s) and that round added none."""
 
+POLISH_CHUNK = 256
+"""Directions polished at once under a time budget (``AttackConfig.max_seconds``): ~4 s at
+B = 210, m = 4000 on 2 cores, where polishing a first round's ~4000 minima took 150 s."""
+
 
 class _Search:
     """Rounds of search (SPEAR++ optimisation or SPEAR sampling) feeding a candidate pool."""
@@ -229,9 +233,15 @@ class _Search:
     def _tick(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
 
-    def _out_of_time(self) -> bool:
+    @property
+    def deadline(self) -> float | None:
+        """The ``time.perf_counter()`` value at which ``max_seconds`` runs out (None: never)."""
         budget = self.cfg.max_seconds
-        return budget is not None and time.perf_counter() - self.start > budget
+        return None if budget is None else self.start + budget
+
+    def _out_of_time(self) -> bool:
+        deadline = self.deadline
+        return deadline is not None and time.perf_counter() > deadline
 
     def _add(self, Q: torch.Tensor, zeros: torch.Tensor,
              leverage: torch.Tensor | None = None) -> None:
@@ -281,20 +291,21 @@ class _Search:
         Qopt = search.optimise_on_sphere(
             L, init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
             milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
-            objective=self._objective(),
+            objective=self._objective(), deadline=self.deadline,
         )
         Qopt = filtering.normalize_columns(Qopt.double())
         Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima
         self._tick("search", t0)
         t0 = time.perf_counter()
-        if cfg.polish and irls and deflate:
-            Qopt = torch.cat([Qopt, polish.irls_round(self.dec.L, Qopt)], dim=1)
+        if cfg.polish and irls and deflate and not self._out_of_time():
+            Qopt = torch.cat([Qopt, polish.irls_round(self.dec.L, Qopt, deadline=self.deadline)],
+                             dim=1)
             self._tick("irls", t0)
             t0 = time.perf_counter()
         if cfg.polish:
             n_rows = self._n_rows()
-            Qp, zeros, face_dim, lev = polish.polish(self.dec.L, Qopt, n_rows=n_rows,
-                                                     zero_rtol=self.system.zero_rtol)
+            Qp, zeros, face_dim, lev = self._polish(Qopt, n_rows)
+            Qopt = Qopt[:, :Qp.shape[1]]
             self._add(Qp, zeros, lev)
             faces = torch.nonzero(face_dim > 1).squeeze(1)
             vertices = torch.nonzero((face_dim == 1) & (zeros >= self.min_zeros)
@@ -310,6 +321,27 @@ class _Search:
             zeros = filtering.zero_mask(self.dec.L @ Qp, self.system.zero_rtol).sum(dim=0)
         self._tick("polish", t0)
         self._add(Qp, zeros)
+
+    def _polish(self, Q: torch.Tensor, n_rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``polish.polish`` of the first columns of ``Q`` that the time budget allows.
+
+        Without ``max_seconds`` all at once; with it in chunks of :data:`POLISH_CHUNK` columns,
+        each column being polished on its own, until the budget runs out (at least one chunk).
+        Unpolished directions are no candidates, so the rest is dropped.
+        """
+        if self.deadline is None:
+            return polish.polish(self.dec.L, Q, n_rows=n_rows, zero_rtol=self.system.zero_rtol)
+        parts = []
+        for start in range(0, Q.shape[1], POLISH_CHUNK):
+            if start > 0 and self._out_of_time():
+                break
+            parts.append(polish.polish(self.dec.L, Q[:, start:start + POLISH_CHUNK],
+                                       n_rows=n_rows, zero_rtol=self.system.zero_rtol))
+        if not parts:
+            return polish.polish(self.dec.L, Q, n_rows=n_rows, zero_rtol=self.system.zero_rtol)
+        Qp, zeros, face_dim, lev = (torch.cat(xs, dim=-1) for xs in zip(*parts, strict=True))
+        return Qp, zeros, face_dim, lev
 
     def _round_spear(self) -> None:
         """SPEAR (SPEC §3): kernels of random (B-1)-row submatrices, batched."""
@@ -388,7 +420,8 @@ class _Search:
             self.completed[sampled] = self.completed.get(sampled, 0) + 1
             Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
                                        generator=self.generator,
-                                       n_samples=self.cfg.slice_samples)
+                                       n_samples=self.cfg.slice_samples,
+                                       deadline=self.deadline)
         else:
             return False
         if Qc.shape[1]:
@@ -483,11 +516,12 @@ class _Search:
             if (done or self._out_of_time() or (spear and self.samples >= self.cfg.max_samples)
                     or (not spear and count == self.B and stale >= STALE_ROUNDS)):
                 break
-            if not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates:
+            if (not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates
+                    and not self._out_of_time()):
                 t0 = time.perf_counter()
                 seeds = refine.conditional_directions(
                     self.dec.L, self.pool, zero_rtol=self.system.zero_rtol,
-                    generator=self.generator)
+                    generator=self.generator, deadline=self.deadline)
                 self._split_faces(seeds, self._n_rows())
                 self._tick("neighbours", t0)
         return self._finish()

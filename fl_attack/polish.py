@@ -10,6 +10,7 @@ caller can split that small subspace (see :mod:`fl_attack.refine`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -252,8 +253,9 @@ def irls_round(
     eps0: float = 0.3,
     decay: float = 0.6,
     chunk_elems: int = 2**25,
+    deadline: float | None = None,
 ) -> torch.Tensor:
-    """Push approximate directions ``Q`` (B, K) to the sparsest direction nearby (B, K), unit.
+    """Push approximate directions ``Q`` (B, K) to the sparsest direction nearby (B, K'), unit.
 
     On real data a true column is often *not* a local minimum of ℓ1: a sample with a similar
     ReLU pattern offers a descent direction, so the optimiser stops a few degrees away (cos
@@ -263,7 +265,10 @@ def irls_round(
     direction with the most exact zeros instead. Measured on real photo batches at B = 65,
     m = 1000: 15 of 17 columns missed by ℓ1 + rounding recovered exactly.
     Each iteration is one inverse-iteration step per direction, q ← (Lᵀ W L)⁻¹ q (a batched
-    Cholesky solve, O(K m B²)), warm-started from the previous q.
+    Cholesky solve, O(K m B²)), warm-started from the previous q. Past ``deadline`` (a
+    ``time.perf_counter()`` value, checked between chunks of directions) only the first K' ≤ K
+    directions, those done, are returned: a chunk takes ~1 s at B = 210, m = 4000 on 2 cores,
+    all of them minutes.
     """
     L = L.double()
     Q = Q.to(L.dtype)
@@ -273,7 +278,11 @@ def irls_round(
     out = torch.empty_like(Q)
     per = max(1, chunk_elems // (m * B))
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
+    done = K
     for start in range(0, K, per):
+        if deadline is not None and start > 0 and time.perf_counter() > deadline:
+            done = start
+            break
         q = Q[:, start:start + per].T.contiguous()  # (k, B)
         for t in range(iters):
             V = q @ L.T  # (k, m)
@@ -291,4 +300,4 @@ def irls_round(
             z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(L.dtype).tiny)
             q = z * torch.sign((z * q).sum(dim=1, keepdim=True) + 1e-300)
         out[:, start:start + per] = q.T
-    return out
+    return out[:, :done]

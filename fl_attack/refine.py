@@ -11,6 +11,7 @@ the true columns are the directions with the most extra zeros, which SPEAR-style
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -124,6 +125,7 @@ def conditional_directions(
     n_init: int = 32,
     steps: int = 200,
     dtype: torch.dtype = torch.float32,
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """Seeds for columns hidden next to found ones (B, F * n_init), to be split as faces.
 
@@ -131,7 +133,8 @@ def conditional_directions(
     zero rows Z_f of q_f, far sparser there than any other sample. So the ℓ1 search is re-run
     on L restricted to Z_f, with q_f (invisible there) projected out; all F found columns are
     solved as one zero-padded batch. The result vanishes on Z_f ∩ Z_j: a point of the face
-    {q_f, q_j}, which :func:`split_face` resolves.
+    {q_f, q_j}, which :func:`split_face` resolves. ``deadline``: as in
+    :func:`~fl_attack.search.optimise_on_sphere` (the caller's time budget).
     """
     m, B = L.shape
     F = found.shape[1]
@@ -158,7 +161,7 @@ def conditional_directions(
     U = Lz @ V * Sinv[:, None, :]  # (F, zmax, B-1) orthonormal columns
     init = torch.randn(F, n_init, B - 1, generator=generator, dtype=torch.float64)
     init = (init / init.norm(dim=-1, keepdim=True)).to(device=L.device, dtype=dtype)
-    C = optimise_on_sphere(U.to(dtype), init, steps=steps)  # (F, B-1, K)
+    C = optimise_on_sphere(U.to(dtype), init, steps=steps, deadline=deadline)  # (F, B-1, K)
     Qs = V @ (Sinv[:, :, None] * C.to(L.dtype))  # (F, B, K)
     Qs = Qs.permute(1, 0, 2).reshape(B, F * n_init)
     return Qs / Qs.norm(dim=0, keepdim=True)
@@ -188,7 +191,8 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> t
     return (vec / vec.norm(dim=1, keepdim=True)).T
 
 
-def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
+                    deadline: float | None = None) -> torch.Tensor:
     """Unit columns whose zero rows are exactly a candidate ReLU pattern (B, c).
 
     For each column of ``mask`` (m, P) keep the kernel of L on those rows when it is exactly
@@ -199,11 +203,15 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> to
     the exact test would keep is dropped, also under noise where the tolerance is large. Only
     the patterns that fail get their float64 Gram and the exact test. (At B = 210, m = 4000 the
     float64 Grams of every row set of a slice-sampling call took 22 s of 31 s on 2 cores.)
+    Past ``deadline`` (a ``time.perf_counter()`` value, checked between chunks of patterns)
+    the patterns not yet screened are skipped.
     """
     m, B = L.shape
     out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
     eye = torch.eye(B, dtype=torch.float32, device=L.device)
     for cols, gram in masked_grams(L.float(), mask):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         tol = mask[:, cols].sum(dim=0).to(torch.float32) * zero_rtol**2 / m
         shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
         _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
@@ -355,6 +363,7 @@ def sample_missing(
     n_samples: int = 2048,
     radius: tuple[float, float] = (1.0, 100.0),
     fractions: tuple[float, ...] = (0.6, 0.75),
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """Candidates for any number k ≥ 2 of columns missing from ``found`` (B, F) (B, c), unique.
 
@@ -373,7 +382,7 @@ def sample_missing(
     dominates, see the measurements in ``core.md``). Measured on real photo batches with true
     columns dropped: (30, 200), 1024 points: 4/4, 7-8/8, 11-15/16, 16-17/24 in 0.1 s;
     (100, 1000), 2048 points: 7/10, 18/30, 16/60 in 3-4 s (2 threads). The caller repeats it
-    as the found set grows.
+    as the found set grows. ``deadline``: as in :func:`pattern_kernels` (the caller's budget).
     """
     m, B = L.shape
     k = B - found.shape[1]
@@ -408,7 +417,7 @@ def sample_missing(
         mask = mask.scatter_(0, rows, True)[:m]  # (m, P) row sets
         if mask.shape[1] > 1:
             mask = torch.unique(mask, dim=1)
-        cands.append(pattern_kernels(L, mask, zero_rtol))
+        cands.append(pattern_kernels(L, mask, zero_rtol, deadline=deadline))
     Q = torch.cat(cands, dim=1)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
 

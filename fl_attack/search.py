@@ -6,6 +6,7 @@ dense matrix products, on whatever device ``L`` lives on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import geoopt
@@ -34,6 +35,15 @@ def random_sphere(K: int, B: int, *, generator: torch.Generator, dtype: torch.dt
     return X / X.norm(dim=1, keepdim=True)
 
 
+CHECK_EVERY = 10
+"""Steps between two looks at the deadline of :func:`optimise_on_sphere`."""
+
+
+def _past(deadline: float | None, step: int) -> bool:
+    return (deadline is not None and step > 0 and step % CHECK_EVERY == 0
+            and time.perf_counter() > deadline)
+
+
 def optimise_on_sphere(
     L: torch.Tensor,
     init: torch.Tensor,
@@ -46,6 +56,7 @@ def optimise_on_sphere(
     gamma: float = 0.1,
     alpha: float = 20.0,
     objective: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """Minimise φ(L q) over the sphere from each row of ``init`` (K, B); returns (B, K) columns.
 
@@ -55,7 +66,8 @@ def optimise_on_sphere(
     ``L`` (m, B) fixes device and dtype. A stack of problems (F, m, B) with ``init`` (F, K, B)
     is solved in one batch and returns (F, B, K); zero padding rows of L do not change φ.
     Riemannian Adam is geoopt's; PGD takes a Euclidean gradient step on the mean loss and
-    renormalises.
+    renormalises. ``deadline`` (a ``time.perf_counter()`` value) stops the steps early, checked
+    every :data:`CHECK_EVERY` steps: the caller's time budget, the iterates as they are then.
     """
     L = L.detach()
     Lt = L.transpose(-1, -2).contiguous()
@@ -69,7 +81,9 @@ def optimise_on_sphere(
         param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
         opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
-        for _ in range(steps):
+        for it in range(steps):
+            if _past(deadline, it):
+                break
             opt.zero_grad(set_to_none=True)
             objective(param @ Lt).sum().backward()
             opt.step()
@@ -79,6 +93,8 @@ def optimise_on_sphere(
         X = X0.clone().requires_grad_(True)
         step = 5.0 if lr is None else lr
         for it in range(steps):
+            if _past(deadline, it):
+                break
             if it in marks:
                 step *= gamma
             (grad,) = torch.autograd.grad((objective(X @ Lt) / m).sum(), X)

@@ -159,6 +159,31 @@ def test_starts_in_the_complement_reach_the_missing_columns() -> None:
     assert counts[0] >= 3 * max(counts[1], 1), counts
 
 
+@pytest.mark.parametrize("optimizer", ["pgd", "radam"])
+def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> None:
+    """``max_seconds`` reaches inside the long steps: with its deadline already passed,
+    the optimiser stops at its first look at the clock (the same iterates as a run of that
+    many steps) and IRLS returns only the first chunk of directions, each as a full run
+    would have refined it."""
+    t = _truth(20, 200, seed=1)
+    L = t["L"]
+    gen = torch.Generator().manual_seed(0)
+    init = search.random_sphere(64, 20, generator=gen, dtype=torch.float64,
+                                device=torch.device("cpu"))
+    kw = {"optimizer": optimizer, "milestones": ()}
+    cut = search.optimise_on_sphere(L, init, steps=300, deadline=0.0, **kw)
+    short = search.optimise_on_sphere(L, init, steps=search.CHECK_EVERY, **kw)
+    full = search.optimise_on_sphere(L, init, steps=300, **kw)
+    assert torch.allclose(cut, short, atol=1e-12)
+    assert not torch.allclose(cut, full, atol=1e-3)
+    per = 4  # chunk_elems = per x m x B: four directions per chunk
+    chunk = per * L.shape[0] * L.shape[1]
+    first = polish.irls_round(L, full, chunk_elems=chunk, deadline=0.0)
+    everything = polish.irls_round(L, full, chunk_elems=chunk)
+    assert first.shape == (20, per) and everything.shape == (20, 64)
+    assert torch.allclose(first, everything[:, :per], atol=1e-12)
+
+
 def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
     """Polishing's Gram matrices and leverages, formed from gathered rows in chunks ordered by
     size, equal Lᵀ diag(mask) L and max over masked rows of lᵀ (G + q qᵀ)⁻¹ l, per column."""
