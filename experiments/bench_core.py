@@ -32,10 +32,11 @@ RESULTS = Path(__file__).parent / "results" / "core.md"
 
 
 def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float | None,
-                options: dict | None = None) -> dict:
-    """Invert ``batches`` real batches at (B, m); returns the table row's numbers."""
+                options: dict | None = None, first: int = 0) -> dict:
+    """Invert ``batches`` real batches at (B, m), seeds ``first`` onwards; returns the table
+    row's numbers."""
     psnrs, secs, exact = [], [], 0
-    for seed in range(batches):
+    for seed in range(first, first + batches):
         x, y = data.sample_batch(dataset, B, seed=seed)
         xn = data.normalize(x, dataset)
         model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
@@ -62,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--settings", default=",".join(f"{b}x{m}" for b, m in PAPER))
     parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--first-batch", type=int, default=0,
+                        help="seed of the first batch (to extend an earlier run with new batches)")
     parser.add_argument("--dataset", default="photos32")
     parser.add_argument("--max-seconds", type=float, default=None)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
@@ -83,6 +86,7 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     header = (f"\n## {dt.date.today().isoformat()} — {platform.node()}, {cpu}, "
               f"device {device}, dataset {args.dataset}, max_seconds {args.max_seconds}"
+              f"{f', batches from seed {args.first_batch}' if args.first_batch else ''}"
               f"{', options ' + repr(options) if options else ''}\n\n"
               "| B | m | batches | acc % (>90 dB) | certified % (λ=1) | mean PSNR | median s/batch | "
               "peak RSS MiB (process) | paper acc % / PSNR |\n|---|---|---|---|---|---|---|---|---|\n")
@@ -95,7 +99,8 @@ def main() -> None:
         fh.write(header)
     for item in args.settings.split(","):
         B, m = (int(v) for v in item.split("x"))
-        res = run_setting(B, m, args.batches, args.dataset, args.max_seconds, options)
+        res = run_setting(B, m, args.batches, args.dataset, args.max_seconds, options,
+                          first=args.first_batch)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         paper = PAPER.get((B, m), (float("nan"), float("nan")))
         row = (f"| {B} | {m} | {res['batches']} | {res['acc']:.0f} | {res['certified']:.0f} | "
