@@ -116,17 +116,18 @@ def machine_line() -> str:
 
 def attack_batch(dw: torch.Tensor, db: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor,
                  x: torch.Tensor, *, seed: int, max_seconds: float | None,
-                 device: str | None) -> BatchOutcome:
+                 device: str | None, **options: object) -> BatchOutcome:
     """Invert one update and score it against the true batch ``x`` (images in [0, 1]).
 
     A ``ValueError``/``RuntimeError`` from the attack (e.g. a noise level at which no rank below
     min(m, n) is detected, a failed linear solve) counts as a failed batch (0 dB) and is kept with
     its message, so one bad batch neither stops a long run nor disappears from the table.
+    ``options``: further ``AttackConfig`` options (e.g. ``update="fedavg"``).
     """
     t0 = time.perf_counter()
     try:
         rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
-                               device=device)
+                               device=device, **options)
     except (ValueError, RuntimeError) as exc:
         return BatchOutcome(psnr=0.0, detected_b=None, exact=False,
                             seconds=time.perf_counter() - t0,

@@ -105,7 +105,8 @@ def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr
 def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                minibatches: Sequence[int | None], lrs: Sequence[float], batches: int,
                first_seed: int, max_seconds: float | None, device: str | None,
-               out: Path) -> list[tuple[int, int, int, int | None, float, SettingSummary]]:
+               out: Path, update: str = "fedavg",
+               ) -> list[tuple[int, int, int, int | None, float, SettingSummary]]:
     """Run the grid, printing and appending one row per (B, m, E, b_mini, η)."""
     rows = []
     for B, m in settings:
@@ -126,7 +127,8 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                                              error=f"update: ValueError: {exc}")
                         else:
                             o = attack_batch(dw, db, w0, b0, x, seed=seed,
-                                             max_seconds=max_seconds, device=device)
+                                             max_seconds=max_seconds, device=device,
+                                             update=update)
                         outcomes.append(o)
                         print_batch(label, seed, o, B)
                     wall = time.perf_counter() - t0
@@ -186,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lrs", type=lambda t: parse_list(t, float, "--lrs"),
                         default=parse_list(DEFAULT_LRS, float, "--lrs"),
                         help=f"local learning rates η (default {DEFAULT_LRS})")
+    parser.add_argument("--update", choices=("fedavg", "gradient"), default="fedavg",
+                        help="the attack's `update` option (default fedavg: λ checks that each "
+                             "column's zeros are inactive units at W0; gradient: the single-step "
+                             "test, what runs before session 8 used)")
     add_run_args(parser, RESULTS)
     args = parser.parse_args(argv)
     check_run_args(parser, args)
@@ -199,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "",
         machine_line() + ".",
         "",
-        f"Attack: default `fl_attack.invert`, max_seconds {args.max_seconds} per batch; "
+        f"Attack: `fl_attack.invert(..., update={args.update!r})`, otherwise default, "
+        f"max_seconds {args.max_seconds} per batch; "
         f"{args.batches} batch(es) per setting (seeds {args.first_seed}.."
         f"{args.first_seed + args.batches - 1}).",
         "",
@@ -222,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     open_results(args.out, "FedAvg benchmark (issue #3)", intro, section)
     t0 = time.perf_counter()
     rows = run_fedavg(args.settings, args.epochs, args.minibatch, args.lrs, args.batches,
-                      args.first_seed, args.max_seconds, args.device, args.out)
+                      args.first_seed, args.max_seconds, args.device, args.out,
+                      update=args.update)
     notes = fedavg_conclusion(rows, args.max_seconds)
     notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
     for line in notes:

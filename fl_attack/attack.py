@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
-from fl_attack.config import AttackConfig
+from fl_attack.config import FEDAVG_TAU, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
 from fl_attack.validation import as_tensor, check_layer, input_precision, resolve_device
@@ -111,7 +111,8 @@ def invert(
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
     timings["decompose"] = time.perf_counter() - t0
     zero_rtol, z_band = tolerances(dec, cfg, precision)
-    system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band)
+    system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band,
+                         subset=cfg.update == "fedavg")
     run = _Search(cfg, dec, system, generator, dev, timings, start)
     if dec.batch_size == 1:  # one sample: G = d xᵀ, nothing to disentangle
         Q = torch.ones(1, 1, dtype=torch.float64, device=dev)
@@ -212,7 +213,8 @@ class _Search:
         self.generator, self.device, self.timings, self.start = generator, device, timings, start
         self.B = dec.batch_size
         m = dec.L.shape[0]
-        self.min_zeros = max(filtering.min_zero_count(m, cfg.p_false_reject, cfg.tau), self.B)
+        tau = cfg.tau if cfg.tau is not None or not system.subset else FEDAVG_TAU
+        self.min_zeros = max(filtering.min_zero_count(m, cfg.p_false_reject, tau), self.B)
         self.pool = torch.empty(self.B, 0, dtype=torch.float64, device=device)
         self.pool_zeros = torch.empty(0, dtype=torch.long, device=device)
         self.match: select.Match | None = None
@@ -402,7 +404,8 @@ class _Search:
 
         The exact completion runs once per found set of 1-3 missing columns (it gives up on
         3 when the cells are too many: m ≥ 284); the sampled one up to :data:`SLICE_PATIENCE`
-        times per found set and round when 2 or more are missing.
+        times per found set and round when 2 or more are missing (1 or more for FedAvg sums,
+        where the exact one does not apply).
         """
         count = found.shape[1]
         missing = self.B - count
@@ -412,10 +415,13 @@ class _Search:
                 self.system.t)
         exact, sampled = (missing, count, -1), (missing, count, self.rounds)
         t0 = time.perf_counter()
-        if missing <= 3 and exact not in self.completed:
+        # a FedAvg sum keeps only part of a sample's W₀ pattern as zeros: the exact
+        # completion's full patterns have no kernel there, the sampled one's negative rows do
+        exact_ok = not self.system.subset
+        if exact_ok and missing <= 3 and exact not in self.completed:
             self.completed[exact] = 1
             Qc = refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
-        elif (missing >= 2 and self.cfg.slice_samples
+        elif ((missing >= 2 or not exact_ok) and self.cfg.slice_samples
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
             self.completed[sampled] = self.completed.get(sampled, 0) + 1
             Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
@@ -436,13 +442,14 @@ class _Search:
 
         One LP per column (``feasibility.pattern_margins``) once at most ``verify_dim`` columns
         are missing; a verdict is kept until the number missing has halved (the test tightens
-        as columns are added). Clean updates with weight and bias only.
+        as columns are added). Clean single-step updates with weight and bias only (a FedAvg
+        column's zero rows are only part of its W₀ pattern, which the LP cannot test).
         """
         F = cols.shape[1]
         missing = self.B - F
         keep = torch.ones(F, dtype=torch.bool, device=cols.device)
-        if (self.noisy or self.system.WR is None or not self.cfg.verify_dim
-                or missing > self.cfg.verify_dim):
+        if (self.noisy or self.system.WR is None or self.system.subset
+                or not self.cfg.verify_dim or missing > self.cfg.verify_dim):
             return keep
         t0 = time.perf_counter()
         zero = filtering.zero_mask(self.dec.L @ cols, self.system.zero_rtol).cpu()
@@ -556,9 +563,14 @@ class _Search:
         t0 = time.perf_counter()
         good = torch.ones(self.B, dtype=torch.bool, device=Q.device)
         good[bad] = False
-        Qc = refine.complete_missing(self.dec.L, self.dec.R, self.system.weight,
-                                     self.system.bias, Q[:, good], self.system.t,
-                                     zero_rtol=self.system.zero_rtol)
+        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, good],
+                self.system.t)
+        if self.system.subset:
+            Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
+                                       generator=self.generator,
+                                       n_samples=self.cfg.slice_samples or 2048)
+        else:
+            Qc = refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
         best_Q, best = Q, self.match
         if Qc.shape[1]:
             Qc, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),

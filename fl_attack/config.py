@@ -9,6 +9,9 @@ METHODS = ("spear++", "spear")
 LOSSES = ("l1", "logcosh", "l4")
 OPTIMIZERS = ("radam", "pgd")
 SPARSE_SIDES = ("output", "input", "auto")
+UPDATES = ("gradient", "fedavg")
+FEDAVG_TAU = 0.2
+"""Default τ for ``update="fedavg"``: the zero fraction a column must show (see ``update``)."""
 WIDE_LAYER = 500
 """Outputs m from which the search drops the PGD rounds and adds IRLS rounding by default."""
 
@@ -23,6 +26,18 @@ class AttackConfig:
     # --- which attack ---------------------------------------------------------------------------
     method: str = "spear++"
     """``"spear++"`` (dictionary learning, polynomial in B) or ``"spear"`` (sampling)."""
+    update: str = "gradient"
+    """What the client sent. ``"gradient"``: one gradient step (FedSGD, DP-SGD): a column's zero
+    rows are exactly the units its sample leaves inactive. ``"fedavg"``: ``W₀ - W_E`` after E
+    full-batch local steps from ``weight``/``bias`` = W₀: a column sums its sample's gradients
+    over the steps, so its zero rows are the units inactive at *every* step, a subset of those
+    inactive at W₀. λ then counts a zero row as matching when the reconstruction is inactive
+    there at W₀ (and every non-zero row), so λ = 1 certifies "every zero is explained by W₀";
+    the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts:
+    E = 50 left 58-83 of 200 where τ from the binomial tail asks for 70); the completions use
+    only the most negative rows of a missing sample's W₀ pattern. With mini-batches the
+    inclusion holds only approximately (a sample's first step is not at W₀), still better than
+    ``"gradient"`` (measured in ``experiments/results/fedavg.md``)."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
@@ -94,7 +109,8 @@ class AttackConfig:
     p_false_reject: float = 1e-5
     """Probability that a true direction is rejected by the sparsity threshold τ (binomial tail)."""
     tau: float | None = None
-    """Override the minimal fraction of zeros a candidate needs."""
+    """Override the minimal fraction of zeros a candidate needs. None: from the binomial tail
+    (``p_false_reject``), or :data:`FEDAVG_TAU` for ``update="fedavg"``."""
     max_leverage: float = 0.99
     """Reject candidates with a zero row of leverage above this (coincidental zeros)."""
     max_faces: int | None = None
@@ -165,6 +181,7 @@ class AttackConfig:
         """Raise ``ValueError`` naming the first invalid option."""
         _choice("method", self.method, METHODS)
         _choice("sparse", self.sparse, SPARSE_SIDES)
+        _choice("update", self.update, UPDATES)
         _choice("loss", self.loss, LOSSES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("search_dtype", self.search_dtype, ("float32", "float64"))

@@ -365,7 +365,7 @@ def sample_missing(
     fractions: tuple[float, ...] = (0.6, 0.75),
     deadline: float | None = None,
 ) -> torch.Tensor:
-    """Candidates for any number k ≥ 2 of columns missing from ``found`` (B, F) (B, c), unique.
+    """Candidates for any number k ≥ 1 of columns missing from ``found`` (B, F) (B, c), unique.
 
     The randomised form of :func:`complete_missing`, for k too large to enumerate cells. At a
     point of the slice dominated by the missing sample i, the *most negative* pre-activations
@@ -383,22 +383,28 @@ def sample_missing(
     columns dropped: (30, 200), 1024 points: 4/4, 7-8/8, 11-15/16, 16-17/24 in 0.1 s;
     (100, 1000), 2048 points: 7/10, 18/30, 16/60 in 3-4 s (2 threads). The caller repeats it
     as the found set grows. ``deadline``: as in :func:`pattern_kernels` (the caller's budget).
+    At k = 1 the slice is a single point (the missing sample's W₀ pattern): its most negative
+    rows are what a FedAvg sum keeps as zeros (``AttackConfig.update``), where the exact
+    completion's full pattern has no kernel.
     """
     m, B = L.shape
     k = B - found.shape[1]
     empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
-    if k < 2:
+    if k < 1:
         return empty
     affine = _missing_slice(L, R, weight, bias, found, t)
     if affine is None:
         return empty
     offset, Aw, dist = affine
-    lo, hi = math.log(radius[0]), math.log(radius[1])
-    u = torch.randn(n_samples, k - 1, generator=generator, dtype=torch.float64)
-    r = torch.rand(n_samples, 1, generator=generator, dtype=torch.float64) ** (1.0 / (k - 1))
-    s = torch.exp(lo + (hi - lo) * torch.rand(n_samples, 1, generator=generator,
-                                              dtype=torch.float64))
-    w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
+    if k == 1:  # the slice is one point: the missing sample itself
+        w = torch.zeros(1, 0, dtype=L.dtype, device=L.device)
+    else:
+        lo, hi = math.log(radius[0]), math.log(radius[1])
+        u = torch.randn(n_samples, k - 1, generator=generator, dtype=torch.float64)
+        r = torch.rand(n_samples, 1, generator=generator, dtype=torch.float64) ** (1.0 / (k - 1))
+        s = torch.exp(lo + (hi - lo) * torch.rand(n_samples, 1, generator=generator,
+                                                  dtype=torch.float64))
+        w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
     cands = [empty]
     negative = (h <= 0).sum(dim=0)

@@ -27,6 +27,9 @@ class LayerSystem:
     weight: torch.Tensor | None = None
     z_band: float = 0.0
     """Relative band around Z = 0 within which the sign is rounding error (λ test)."""
+    subset: bool = False
+    """Zero rows of a column need only be inactive units (a FedAvg sum over local steps), not
+    all of them: λ then checks the inclusion (``AttackConfig.update``)."""
 
 
 def make_system(
@@ -37,12 +40,13 @@ def make_system(
     bias: torch.Tensor | None,
     zero_rtol: float,
     z_band: float = 0.0,
+    subset: bool = False,
 ) -> LayerSystem:
     """Precompute the reusable products of one layer's decomposition."""
     t = torch.linalg.lstsq(L, bias_grad[:, None]).solution[:, 0]
     WR = weight @ R.T if weight is not None else None
     return LayerSystem(L=L, R=R, t=t, WR=WR, bias=bias, zero_rtol=zero_rtol, z_band=z_band,
-                       weight=weight)
+                       weight=weight, subset=subset)
 
 
 def scales(Q: torch.Tensor, system: LayerSystem) -> torch.Tensor:

@@ -50,16 +50,22 @@ def complete_basis(Q: torch.Tensor, B: int) -> torch.Tensor:
     return torch.cat([Q, U[:, k:B]], dim=1)
 
 
-def _matches(Z: torch.Tensor, Dzero: torch.Tensor, band: float = 0.0) -> torch.Tensor:
+def _matches(Z: torch.Tensor, Dzero: torch.Tensor, band: float = 0.0,
+             subset: bool = False) -> torch.Tensor:
     """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0" (the λ₋ and λ₊ terms).
 
     Pre-activations within ``band`` x the column's largest |Z| of zero are within the
-    reconstruction's rounding error, so either pattern counts as a match there.
+    reconstruction's rounding error, so either pattern counts as a match there. ``subset``
+    (FedAvg sums, ``LayerSystem.subset``): only zeros need an inactive unit; a non-zero entry
+    always matches (the unit may have been inactive at W₀ and active at a later step).
     """
+    tol = band * Z.abs().amax(dim=0, keepdim=True) if band > 0 else 0.0
+    inactive = Z <= tol
+    if subset:
+        return inactive | ~Dzero
     if band <= 0:
-        return (Z <= 0) == Dzero
-    tol = band * Z.abs().amax(dim=0, keepdim=True)
-    return torch.where(Dzero, Z <= tol, Z > -tol)
+        return inactive == Dzero
+    return torch.where(Dzero, inactive, Z > -tol)
 
 
 def _ambiguous(V: torch.Tensor, zero_rtol: float) -> torch.Tensor:
@@ -92,7 +98,8 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
     Z = H / s + system.bias[:, None]
     V = system.L @ Q
     Dzero = zero_mask(V, system.zero_rtol)
-    per_col = (_matches(Z, Dzero, system.z_band) | _ambiguous(V, system.zero_rtol)).sum(dim=0)
+    per_col = (_matches(Z, Dzero, system.z_band, system.subset)
+               | _ambiguous(V, system.zero_rtol)).sum(dim=0)
     value = float(per_col.sum()) / (m * Q.shape[1])
     return Match(value=value, per_column=per_col, H=H, s=s, P=P)
 
@@ -170,11 +177,11 @@ def greedy_swaps(
             s_new = now.s[:, None] - ratio * now.s[i][None]  # (B, p)
             H_new = now.H[:, :, None] - Hi[:, None, :] * ratio[None]  # (m, B, p)
             Z_new = H_new / s_new[None] + b[:, None, None]
-            counts = (_matches(Z_new, Dzero[:, :, None], system.z_band)
+            counts = (_matches(Z_new, Dzero[:, :, None], system.z_band, system.subset)
                       | Damb[:, :, None]).sum(dim=0)  # (B, p)
             # column i keeps x_i (its Z is unchanged) but its pattern becomes that of the spare
             Zi = now.H[:, i] / now.s[i][None] + b[:, None]
-            counts_i = (_matches(Zi, spare_zero[:, u], system.z_band)
+            counts_i = (_matches(Zi, spare_zero[:, u], system.z_band, system.subset)
                         | spare_amb[:, u]).sum(dim=0)
             counts.scatter_(0, i[None], counts_i[None])
             return counts.sum(dim=0).to(torch.float64)

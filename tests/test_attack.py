@@ -227,6 +227,8 @@ def test_unknown_options(layer) -> None:
         fl_attack.invert(G, g, device="tpu:0")
     with pytest.raises(ValueError, match="unknown sparse"):
         fl_attack.invert(G, g, sparse="inputs")
+    with pytest.raises(ValueError, match="unknown update 'fedsgd'"):
+        fl_attack.invert(G, g, update="fedsgd")
     with pytest.raises(ValueError, match="steps must be a positive int"):
         fl_attack.AttackConfig(steps=0)
     with pytest.raises(ValueError, match="verify_dim must be a non-negative int"):

@@ -257,3 +257,15 @@ def test_disabled_audit_is_a_pure_pass_through(world: dict, task_identity: None)
     assert _arrays_equal(arrays, ref_arrays) and dict(metrics) == dict(ref_metrics)
     assert audited.records == []
 
+
+
+def test_fedavg_runs_attack_sums_over_local_steps() -> None:
+    """The ServerApp's run config: a FedAvg federation attacks with ``update="fedavg"`` (its
+    clients send sums over local steps) unless the run config names another update."""
+    from strategies.server_app import attack_settings, resolve_run_config
+
+    assert attack_settings(resolve_run_config({"protocol": "fedavg"})).options == {
+        "update": "fedavg"}
+    assert "update" not in attack_settings(resolve_run_config({"protocol": "fedsgd"})).options
+    explicit = resolve_run_config({"protocol": "fedavg", "attack.update": "gradient"})
+    assert attack_settings(explicit).options == {"update": "gradient"}
