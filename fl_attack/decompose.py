@@ -28,14 +28,20 @@ class Decomposition:
 
 
 def estimate_rank(
-    s: torch.Tensor, m: int, n: int, *, margin: float = 2.0, floor_rtol: float = 1e-13
+    s: torch.Tensor, m: int, n: int, *, margin: float = 2.0, floor_rtol: float = 1e-13,
+    max_rank: int | None = None,
 ) -> tuple[int, float, float]:
     """Numerical rank of an m x n matrix from all its singular values ``s`` (descending).
 
     A clean spectrum (a first drop of 1000x or more, down to rounding level, or no flat noise
     bulk at the bottom) gives the count above that drop / the rounding floor. Otherwise the
     noise is estimated by iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
-    Returns (rank, ν, noise edge).
+    A spectrum with ``max_rank`` (the live rows/columns: full rank) or more values above the
+    floor and no drop always takes the noise route: a noise bulk of a near-square matrix is not
+    flat (its values span ν(√m ± √n)), so the flatness test alone called the float32 rounding
+    of a FedAvg/DP-SGD weight difference at m = 4000, n = 3072 clean and full rank. Returns
+    (rank, ν, noise edge); for such a spectrum, the full rank again when the noise route finds
+    no signal above its edge or a tail that is not a noise bulk.
     """
     s = s.double()
     energy = s.square()
@@ -43,13 +49,17 @@ def estimate_rank(
     floor = float(s[0]) * floor_rtol
     ratio = s[:-1] / s[1:].clamp_min(float(s[0]) * 1e-300)
     cliff = torch.nonzero((ratio > 1e3) & (s[:-1] > floor)).squeeze(1)
+    forced = False
     if cliff.numel():  # the first drop of three orders of magnitude ends the signal
         r = int(cliff[0]) + 1
         clean = True
     else:
         r = int((s > floor).sum())
         bottom = s[r // 2:r] if r >= 4 else s[:r]
+        full = r >= (s.numel() if max_rank is None else min(max_rank, s.numel()))
         clean = r < s.numel() or float(bottom.min()) < 0.5 * float(bottom.max())
+        forced = clean and full  # took the noise route only because the rank is full
+        clean = clean and not full
     if clean:
         dof = max((m - r) * (n - r), 1)
         nu = math.sqrt(float(energy[r:].sum()) / dof)
@@ -65,6 +75,16 @@ def estimate_rank(
         if new_k == k:
             break
         k = new_k
+    if forced:
+        above = int((s > floor).sum())
+        if k == 0:  # nothing stands out of the bulk: report the rank seen above the floor
+            return above, nu, edge
+        # a full-rank spectrum is noise only if its tail fills the Marchenko-Pastur bulk: its
+        # smallest values reach down to ν|√(m-k) - √(n-k)| (a genuine rank-min(m, n) signal,
+        # B ≥ min(m, n), has a tail that falls below; then it is reported full rank)
+        low = nu * abs(math.sqrt(m - k) - math.sqrt(n - k))
+        if float(s[-1]) < 0.5 * low:
+            return above, nu, edge
     return k, nu, edge
 
 
@@ -85,11 +105,12 @@ def decompose(
     m, n = weight_grad.shape
     G = weight_grad.double()
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
-    rank, nu, edge = estimate_rank(S, m, n, margin=rank_margin, floor_rtol=floor_rtol)
     # rows of neurons that no sample activates are exactly zero and carry no rank
     live_rows = int((G.abs().amax(dim=1) > 0).sum())
     live_cols = int((G.abs().amax(dim=0) > 0).sum())
     limit = min(live_rows, live_cols)
+    rank, nu, edge = estimate_rank(S, m, n, margin=rank_margin, floor_rtol=floor_rtol,
+                                   max_rank=limit)
     if batch_size is None:
         if rank == 0:
             raise ValueError("weight_grad has numerical rank 0: nothing to invert")

@@ -249,3 +249,22 @@ def test_tau_binomial_tail() -> None:
     assert abs((k - 1) / 400 - 0.395) < 0.01
     assert np.isclose(binom.cdf(k - 1, 400, 0.5), 2.0**-400 * sum(
         __import__("math").comb(400, i) for i in range(k)))
+
+
+def test_rank_under_a_noise_bulk_that_is_not_flat() -> None:
+    """A rank-20 signal under i.i.d. noise 100x below its smallest singular value (no 1000x
+    drop) in a near-square 1000 x 800 matrix, like the float32 rounding of a DP-SGD weight
+    difference at m = 4000, n = 3072: the noise bulk spans ν(√m ± √n), far from flat, and must
+    still be read as noise (B = 20), not as a full-rank signal."""
+    from fl_attack.decompose import estimate_rank
+
+    gen = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(1000, 20, generator=gen, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(800, 20, generator=gen, dtype=torch.float64))[0]
+    signal = U @ torch.diag(torch.linspace(1.0, 0.1, 20, dtype=torch.float64)) @ V.T
+    nu = 0.1 / 100 / (1000**0.5 + 800**0.5)  # the noise edge 100x below the smallest signal
+    noisy = signal + nu * torch.randn(1000, 800, generator=gen, dtype=torch.float64)
+    s = torch.linalg.svdvals(noisy)
+    assert float(s[19] / s[20]) < 1e3  # no cliff: the noise route decides
+    rank, est, _ = estimate_rank(s, 1000, 800, max_rank=800)
+    assert rank == 20 and abs(est / nu - 1) < 0.05
