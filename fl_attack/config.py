@@ -84,8 +84,9 @@ class AttackConfig:
     max_seconds: float | None = None
     """Wall-clock budget for the search; the best selection so far is returned when it runs out.
     Checked between steps and inside the long ones (every 10 optimiser steps, between chunks of
-    IRLS and of polishing), so a run ends within about one chunk of it (seconds at B = 210,
-    m = 4000 on 2 cores) plus the final selection."""
+    IRLS and of polishing), so the search ends within about one chunk of it (seconds at
+    B = 210, m = 4000 on 2 cores). The final selection (greedy swaps, repair) is not bounded:
+    on one noisy B = 150, m = 4000 DP-SGD update the run went 15+ minutes past 400 s."""
 
     # --- SPEAR sampling (SPEC §3) ---------------------------------------------------------------
     samples_per_step: int = 4096
