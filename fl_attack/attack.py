@@ -404,30 +404,27 @@ class _Search:
 
         The exact completion runs once per found set of 1-3 missing columns (it gives up on
         3 when the cells are too many: m ≥ 284); the sampled one up to :data:`SLICE_PATIENCE`
-        times per found set and round when 2 or more are missing (1 or more for FedAvg sums,
-        where the exact one does not apply).
+        times per found set and round when 2 or more are missing. For FedAvg sums, where the
+        exact one does not apply, the sampled one also runs once for a single missing column.
         """
         count = found.shape[1]
         missing = self.B - count
         if missing < 1 or self.system.WR is None or not self.cfg.polish:
             return False
-        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
-                self.system.t)
         exact, sampled = (missing, count, -1), (missing, count, self.rounds)
         t0 = time.perf_counter()
         # a FedAvg sum keeps only part of a sample's W₀ pattern as zeros: the exact
-        # completion's full patterns have no kernel there, the sampled one's negative rows do
+        # completion's full patterns have no kernel there, the sampled one's negative rows do;
+        # with one column missing the sampled one is a single point, so it runs once too
         exact_ok = not self.system.subset
-        if exact_ok and missing <= 3 and exact not in self.completed:
+        once = missing <= 3 if exact_ok else missing == 1 and bool(self.cfg.slice_samples)
+        if once and exact not in self.completed:
             self.completed[exact] = 1
-            Qc = refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
-        elif ((missing >= 2 or not exact_ok) and self.cfg.slice_samples
+            Qc = self._missing_candidates(found, sampled=not exact_ok)
+        elif (missing >= 2 and self.cfg.slice_samples
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
             self.completed[sampled] = self.completed.get(sampled, 0) + 1
-            Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
-                                       generator=self.generator,
-                                       n_samples=self.cfg.slice_samples,
-                                       deadline=self.deadline)
+            Qc = self._missing_candidates(found, sampled=True)
         else:
             return False
         if Qc.shape[1]:
@@ -436,6 +433,18 @@ class _Search:
             self._add(Qp, zeros, lev)
         self._tick("complete", t0)
         return True
+
+    def _missing_candidates(self, found: torch.Tensor, *, sampled: bool) -> torch.Tensor:
+        """Candidates for the columns missing from ``found`` from W and b: the exact completion
+        (``refine.complete_missing``) or slice sampling (``refine.sample_missing``)."""
+        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
+                self.system.t)
+        if not sampled:
+            return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
+        return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
+                                     generator=self.generator,
+                                     n_samples=self.cfg.slice_samples or 2048,
+                                     deadline=self.deadline)
 
     def _feasible(self, cols: torch.Tensor) -> torch.Tensor:
         """Mask of the found columns (B, F) whose ReLU pattern is feasible given the others.
@@ -563,14 +572,7 @@ class _Search:
         t0 = time.perf_counter()
         good = torch.ones(self.B, dtype=torch.bool, device=Q.device)
         good[bad] = False
-        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, Q[:, good],
-                self.system.t)
-        if self.system.subset:
-            Qc = refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
-                                       generator=self.generator,
-                                       n_samples=self.cfg.slice_samples or 2048)
-        else:
-            Qc = refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
+        Qc = self._missing_candidates(Q[:, good], sampled=self.system.subset)
         best_Q, best = Q, self.match
         if Qc.shape[1]:
             Qc, zeros, _, lev = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
