@@ -178,6 +178,7 @@ def greedy_swaps(
     max_swaps: int = 200,
     positions: int = 6,
     chunk_elems: int = 2**25,
+    deadline: float | None = None,
 ) -> tuple[torch.Tensor, InputMatch, int]:
     """Input-mode stage 2: best-improvement swaps of columns of ``Q`` for ``spare`` candidates.
 
@@ -186,6 +187,7 @@ def greedy_swaps(
     (``ĝ_i ← ĝ_i/a_i``).
     Each trial is O(m B). Only the ``positions`` columns with the largest ``|a_i|`` are tried per
     candidate (the others would make the basis nearly singular). Returns (Q, match, swaps).
+    Past ``deadline`` (a ``time.perf_counter()`` value) no new swap is searched.
     """
     L, R, rtol, band = system.L, system.R, system.zero_rtol, system.z_band
     match = _match(Q, system, weight, bias, t)
@@ -198,6 +200,8 @@ def greedy_swaps(
     u_spare = spare.T @ t  # (c,)
     swaps = 0
     while swaps < max_swaps and match.value < 1.0:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         P = torch.linalg.inv(Q)
         Ghat = P @ R  # (B, m) unscaled ĝ
         u = Q.T @ t
@@ -225,7 +229,8 @@ def greedy_swaps(
             return total
 
         best = best_swap(P @ spare, trial, base=float(match.per_sample.sum()),
-                         positions=positions, chunk=max(1, chunk_elems // (m * B)))
+                         positions=positions, chunk=max(1, chunk_elems // (m * B)),
+                         deadline=deadline)
         if best is None:
             break
         u_sel, i_sel = best
@@ -366,7 +371,8 @@ def invert_inputs(
                 spare = orient_nonnegative(dec.L, _spares(run.pool, Q))
                 Q, match, k = greedy_swaps(Q, spare, system, W, b, t,
                                            max_swaps=cfg.max_swaps,
-                                           positions=cfg.swap_positions)
+                                           positions=cfg.swap_positions,
+                                           deadline=run.finish_deadline)
                 swaps += k
             if match.value >= 1.0 or run.rounds >= cfg.round_cap(run.B) or run._out_of_time():
                 break
@@ -383,7 +389,7 @@ def invert_inputs(
     X, D, u = input_factors(Q, dec.L, dec.R, t)
     timings["reconstruct"] = time.perf_counter() - t0
     lam = match.value if match is not None else None
-    exact = (match is not None and match.value >= 1.0 and n_found == B
+    exact = (match is not None and match.value >= 1.0 and n_found == B and not run.noisy
              and bool(match.nonnegative.all()))
     col = (match.per_sample.double() / G.shape[0]).cpu() if match is not None else None
     return _attack.Reconstruction(

@@ -9,6 +9,7 @@ O(m n B) of a fresh reconstruction.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +113,7 @@ def best_swap(
     base: float,
     positions: int,
     chunk: int,
+    deadline: float | None = None,
 ) -> tuple[int, int] | None:
     """The best (spare u, column i) swap by ``trial``'s score, or None if none beats ``base``.
 
@@ -121,6 +123,8 @@ def best_swap(
     chunk of trials (p,): spares ``u`` (p,), columns ``i`` (p,), pivots ``a_i`` (1, p), ``ok``
     (1, p) where the pivot is usable, ``ratio = A[:, u] / a_i`` (B, p). Shared by the
     output-side and the input-side greedy selections, which differ only in that score.
+    Past ``deadline`` (a ``time.perf_counter()`` value) no further chunk starts: the best
+    swap among the trials made is returned (any swap that beats ``base`` improves λ).
     """
     c = A.shape[1]
     r = min(positions, A.shape[0])
@@ -129,6 +133,8 @@ def best_swap(
     i_idx = pos.reshape(-1)
     best_gain, best = 0.0, None
     for start in range(0, u_idx.numel(), chunk):
+        if start > 0 and deadline is not None and time.perf_counter() > deadline:
+            break
         u = u_idx[start:start + chunk]
         i = i_idx[start:start + chunk]
         a = A[:, u]  # (B, p)
@@ -151,10 +157,13 @@ def greedy_swaps(
     max_swaps: int = 200,
     positions: int = 6,
     chunk_elems: int = 2**25,
+    deadline: float | None = None,
 ) -> tuple[torch.Tensor, Match | None, int]:
     """Stage 2: best-improvement swaps of columns of ``Q`` with ``spare`` candidates.
 
-    Returns (Q, its Match, number of swaps made).
+    Returns (Q, its Match, number of swaps made). Each swap raises λ, so stopping early is
+    safe: past ``deadline`` (a ``time.perf_counter()`` value) no new swap is searched and the
+    one being searched keeps the best trial so far.
     """
     match = sparsity_match(Q, system)
     if match is None or spare.shape[1] == 0:
@@ -169,6 +178,8 @@ def greedy_swaps(
     Damb = _ambiguous(L @ Q, system.zero_rtol)
     swaps = 0
     while swaps < max_swaps and match.value < 1.0:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         now = match
 
         def trial(u: torch.Tensor, i: torch.Tensor, a_i: torch.Tensor, ok: torch.Tensor,
@@ -187,7 +198,8 @@ def greedy_swaps(
             return counts.sum(dim=0).to(torch.float64)
 
         best = best_swap(match.P @ spare, trial, base=float(match.per_column.sum()),
-                         positions=positions, chunk=max(1, chunk_elems // (m * B)))
+                         positions=positions, chunk=max(1, chunk_elems // (m * B)),
+                         deadline=deadline)
         if best is None:
             break
         u_sel, i_sel = best

@@ -77,7 +77,8 @@ def resolve_run_config(run_config: Mapping[str, Any] | None = None) -> dict[str,
 def attack_settings(cfg: Mapping[str, Any]) -> AttackSettings:
     """The attack part of the run config. A ``protocol = "fedavg"`` run attacks with
     ``update="fedavg"`` (its clients send sums over local steps) unless ``attack.update`` is
-    set."""
+    set. A ``dpsgd`` run keeps ``"gradient"`` even over several local steps: under DP noise
+    the FedAvg test stops discriminating (``AttackConfig.update``)."""
     options = {k[len(_ATTACK_PREFIX):].replace("-", "_"): v for k, v in cfg.items()
                if k.startswith(_ATTACK_PREFIX)}
     if cfg.get("protocol") == "fedavg":  # the clients send sums over local steps

@@ -9,7 +9,8 @@ import fl_attack
 from fl_attack import data, metrics, models, simulate, updates
 
 
-def _dp_update(seed: int, noise_frac: float, B: int = 12, m: int = 200, lr: float = 0.1):
+def _dp_update(seed: int, noise_frac: float, B: int = 12, m: int = 200, lr: float = 0.1,
+               epochs: int = 1):
     x, y = data.sample_batch("photos32", B, seed=seed)
     xn = data.normalize(x, "photos32")
     model = models.relu_mlp(3072, m, 3, seed=seed)
@@ -19,7 +20,7 @@ def _dp_update(seed: int, noise_frac: float, B: int = 12, m: int = 200, lr: floa
     median = float(dW.abs().median()) / lr  # median |entry| of the clipped mean gradient
     nm = simulate.noise_multiplier_for_std(noise_frac * median, 1.0, B) if noise_frac else 0.0
     res = simulate.local_update(model, xn, y, protocol="dpsgd", lr=lr, max_grad_norm=1.0,
-                                noise_multiplier=nm, seed=seed)
+                                noise_multiplier=nm, seed=seed, epochs=epochs)
     dW, db, W0, b0 = updates.weight_update_pair(model.state_dict(), res.state_dict)
     return x, dW, db, W0, b0, res
 
@@ -57,3 +58,23 @@ def test_dp_noise_at_a_tenth_of_the_median_still_leaks_at_b20() -> None:
     rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, max_seconds=30)
     assert rec.noise_std > 0 and not rec.exact
     assert _psnr(rec, x).mean_psnr > 25.0
+
+
+def test_a_noisy_update_is_never_marked_exact() -> None:
+    """Five noisy DP-SGD steps attacked as a FedAvg sum: that λ only checks that zero rows are
+    inactive units, and within the noise tolerance the selected columns all pass, so λ reaches
+    1 while the images are ~35 dB (24 dB on another batch). A noisy update gets PSNR, never
+    the certificate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the premise below was measured with one thread
+    try:
+        x, dW, db, W0, b0, res = _dp_update(seed=0, noise_frac=0.1, B=20, lr=0.01, epochs=5)
+        rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, max_seconds=60,
+                               update="fedavg")
+    finally:
+        torch.set_num_threads(before)
+    assert res.steps == 5 and res.epsilon < float("inf")
+    assert rec.noise_std > 0 and rec.batch_size == 20 and rec.n_directions == 20
+    assert rec.sparsity_match == 1.0  # the premise: λ alone would call this exact
+    assert not rec.exact
+    assert _psnr(rec, x).mean_psnr < 60.0

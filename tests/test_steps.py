@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_attack import data, feasibility, filtering, models, polish, refine, search
+from fl_attack import data, feasibility, filtering, models, polish, refine, search, select
 from fl_attack.decompose import decompose
 from fl_attack.scale import make_system
 
@@ -182,6 +182,27 @@ def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> N
     everything = polish.irls_round(L, full, chunk_elems=chunk)
     assert first.shape == (20, per) and everything.shape == (20, 64)
     assert torch.allclose(first, everything[:, :per], atol=1e-12)
+
+
+def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
+    """Stage 2 swaps two wrong columns for the true ones held as spares (λ → 1); with its
+    deadline already passed it makes no swap and returns the basis it was given."""
+    t = _truth(20, 200, seed=2)
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-6)
+    Qt = t["Qt"] / t["Qt"].norm(dim=0)
+    gen = torch.Generator().manual_seed(0)
+    wrong = Qt[:, :2] + 0.5 * Qt[:, 2:4] @ torch.randn(2, 2, generator=gen, dtype=torch.float64)
+    Q = torch.cat([wrong, Qt[:, 2:]], dim=1)
+    junk = torch.randn(20, 6, generator=gen, dtype=torch.float64)
+    spare = torch.cat([junk, Qt[:, :2]], dim=1)
+    before = select.sparsity_match(Q, system)
+    assert before is not None and before.value < 1.0
+    fixed, match, swaps = select.greedy_swaps(Q, spare, system)
+    assert match is not None and match.value == 1.0 and swaps == 2
+    assert _hits(Qt, fixed) == set(range(20))
+    kept, late, none = select.greedy_swaps(Q, spare, system, deadline=0.0)
+    assert none == 0 and torch.equal(kept, Q)
+    assert late is not None and late.value == before.value
 
 
 def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
