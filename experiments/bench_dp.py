@@ -12,6 +12,12 @@ the matched per-sample PSNR of the denormalised images (``metrics.score_batch``)
 
     python -m experiments.bench_dp --settings 20x200 --batches 3 --max-seconds 30
     python -m experiments.bench_dp --settings 150x4000 --clips 1 --fracs 0,1 --batches 1
+    python -m experiments.bench_dp --settings 20x200 --fracs 0.1 --epochs 5 --update fedavg
+
+``--epochs E`` makes the update E full-batch DP-SGD steps (each clipped and noised; σ still
+set from one step's clipped mean gradient), ``--update`` the ``AttackConfig.update`` the
+attack assumes, ``--known-batch-size`` gives the attack the true B (what a Flower server reads
+from the client's ``num-examples``) instead of the noisy rank.
 
 Writes a section per run to experiments/results/dp.md (rows are appended as they finish, so an
 interrupted run keeps what it measured). :mod:`experiments.bench_fedavg` reuses the helpers here.
@@ -352,32 +358,40 @@ def ghost_dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, 
 
 def dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, engine: str,
             clip: float, noise_multiplier: float, lr: float, delta: float,
-            seed: int) -> simulate.LocalTrainingResult:
-    """One full-batch DP-SGD step with the chosen engine (see :func:`choose_engine`)."""
+            seed: int, epochs: int = 1) -> simulate.LocalTrainingResult:
+    """``epochs`` full-batch DP-SGD steps with the chosen engine (see :func:`choose_engine`;
+    ghost clipping does one step only)."""
     if engine == "ghost":
+        if epochs != 1:
+            raise ValueError("the ghost-clipping engine runs one step; use engine='opacus'")
         return ghost_dp_step(model, xn, y, clip=clip, noise_multiplier=noise_multiplier, lr=lr,
                              delta=delta, seed=seed)
     return simulate.local_update(model, xn, y, protocol="dpsgd", lr=lr, max_grad_norm=clip,
-                                 noise_multiplier=noise_multiplier, delta=delta, seed=seed)
+                                 noise_multiplier=noise_multiplier, delta=delta, seed=seed,
+                                 epochs=epochs)
 
 
 def dp_updates(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, clip: float,
                fracs: Sequence[float], lr: float, delta: float, seed: int,
-               engine: str = "opacus") -> dict[float, DpUpdate]:
+               engine: str = "opacus", epochs: int = 1) -> dict[float, DpUpdate]:
     """The DP-SGD updates of one batch for every noise fraction ``f`` in ``fracs``.
 
     The noise-free clipped step is run first: its first-layer weight delta over ``lr`` is the
-    clipped mean gradient, whose median |entry| sets σ = f · median. ``f = 0`` reuses that step.
+    clipped mean gradient, whose median |entry| sets σ = f · median. ``f = 0`` reuses the
+    noise-free run of ``epochs`` steps (the update attacked, and the oracle's reference).
     """
     common = dict(engine=engine, clip=clip, lr=lr, delta=delta, seed=seed)
-    clean = dp_step(model, xn, y, noise_multiplier=0.0, **common)
+    first = dp_step(model, xn, y, noise_multiplier=0.0, **common)
     w0_state = model.state_dict()
+    dw1, _, _, _ = updates.weight_update_pair(w0_state, first.state_dict)
+    median = float(dw1.abs().median()) / lr
+    clean = first if epochs == 1 else dp_step(model, xn, y, noise_multiplier=0.0,
+                                                epochs=epochs, **common)
     dw, db, w0, b0 = updates.weight_update_pair(w0_state, clean.state_dict)
-    median = float(dw.abs().median()) / lr
     out: dict[float, DpUpdate] = {}
     B = xn.shape[0]
     m, n = dw.shape
-    sv_b = float(torch.linalg.svdvals(dw / lr)[B - 1]) if B <= min(m, n) else 0.0
+    sv_b = float(torch.linalg.svdvals(dw1 / lr)[B - 1]) if B <= min(m, n) else 0.0
     for f in fracs:
         if f == 0:
             assert clean.epsilon is not None and clean.delta is not None
@@ -385,7 +399,7 @@ def dp_updates(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, cli
                               math.inf, dw)
             continue
         nm = simulate.noise_multiplier_for_std(f * median, clip, B)
-        res = dp_step(model, xn, y, noise_multiplier=nm, **common)
+        res = dp_step(model, xn, y, noise_multiplier=nm, epochs=epochs, **common)
         assert res.noise_std is not None and res.epsilon is not None and res.delta is not None
         if not math.isclose(res.noise_std, f * median, rel_tol=1e-9):
             raise RuntimeError(f"Opacus noise std {res.noise_std} != f·median {f * median}")
@@ -436,9 +450,14 @@ DP_RULE = table_rule(DP_HEADER)
 
 def run_dp(settings: Sequence[tuple[int, int]], clips: Sequence[float], fracs: Sequence[float],
            batches: int, first_seed: int, max_seconds: float | None, lr: float, delta: float,
-           device: str | None, out: Path,
-           engine: str = "auto") -> list[tuple[int, int, float, float, SettingSummary]]:
-    """Run the grid, printing and appending one row per (B, m, C, f); return the summaries."""
+           device: str | None, out: Path, engine: str = "auto", known_b: bool = False,
+           epochs: int = 1, update: str = "gradient",
+           ) -> list[tuple[int, int, float, float, SettingSummary]]:
+    """Run the grid, printing and appending one row per (B, m, C, f); return the summaries.
+
+    ``known_b``: the attack is given the true B (``batch_size=B``), as a server that reads the
+    client's ``num-examples`` is, instead of reading it off the noisy spectrum. ``epochs``:
+    full-batch DP-SGD steps per update; ``update``: the ``AttackConfig.update`` assumed."""
     rows = []
     for B, m in settings:
         for clip in clips:
@@ -452,16 +471,18 @@ def run_dp(settings: Sequence[tuple[int, int]], clips: Sequence[float], fracs: S
                 x, y = data.sample_batch(DATASET, B, seed=seed)
                 xn = data.normalize(x, DATASET)
                 model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
-                used = choose_engine(model, B, engine)
+                used = choose_engine(model, B, engine) if epochs == 1 else "opacus"
                 clipped.append(clipped_fraction(model, xn, y, clip))
                 ups = dp_updates(model, xn, y, clip=clip, fracs=fracs, lr=lr, delta=delta,
-                                 seed=seed, engine=used)
+                                 seed=seed, engine=used, epochs=epochs)
                 prep = (time.perf_counter() - t0) / len(fracs)  # shared cost, split evenly
                 for f in fracs:
                     t1 = time.perf_counter()
                     u = ups[f]
                     o = attack_batch(u.dw, u.db, u.w0, u.b0, x, seed=seed,
-                                     max_seconds=max_seconds, device=device)
+                                     max_seconds=max_seconds, device=device,
+                                     update=update,
+                                     **({"batch_size": B} if known_b else {}))
                     wall[f] += prep + time.perf_counter() - t1
                     per_f[f].append(o)
                     oracle[f].append(oracle_psnr(u, xn, x))
@@ -532,21 +553,37 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="DP-SGD implementation: opacus = simulate.local_update (per-sample "
                              "gradients), ghost = Opacus ghost clipping (same update, little "
                              "memory), auto = ghost only where per-sample gradients exceed 2 GiB")
+    parser.add_argument("--known-batch-size", action="store_true",
+                        help="give the attack the true B (batch_size=B), as a Flower server "
+                             "reading the client's num-examples, instead of the noisy rank")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="full-batch DP-SGD steps per update (default 1; > 1 uses Opacus' "
+                             "per-sample engine)")
+    parser.add_argument("--update", choices=fl_attack.config.UPDATES, default="gradient",
+                        help="AttackConfig.update the attack assumes (default gradient)")
     args = parser.parse_args(argv)
     check_run_args(parser, args)
+    if args.epochs < 1:
+        parser.error("--epochs must be >= 1")
     if any(c <= 0 for c in args.clips) or any(f < 0 for f in args.fracs):
         parser.error("--clips must be > 0 and --fracs >= 0")
 
     started = dt.datetime.now(dt.timezone.utc)
+    steps = ("One Opacus DP-SGD step" if args.epochs == 1 else
+             f"{args.epochs} Opacus DP-SGD steps (each clipped and noised; σ from the first)")
+    given = (" given the true B (`batch_size=B`, as from the num-examples a client reports)"
+             if args.known_batch_size else "")
+    if args.update != "gradient":
+        given += f" with `update=\"{args.update}\"`"
     cmd = "python -m experiments.bench_dp " + " ".join(sys.argv[1:] if argv is None else argv)
     section = [
         f"## {started:%Y-%m-%d %H:%M} UTC — `{cmd.strip()}`",
         "",
         machine_line() + ".",
         "",
-        f"One Opacus DP-SGD step on the whole batch (sample rate 1, so no subsampling "
+        f"{steps} on the whole batch (sample rate 1, so no subsampling "
         f"amplification), lr {args.lr:g}, δ = {args.delta:g}; σ = f · median |entry| of that "
-        f"batch's clipped mean first-layer gradient; attack: default `fl_attack.invert`, "
+        f"batch's clipped mean first-layer gradient; attack: default `fl_attack.invert`{given}, "
         f"max_seconds {args.max_seconds} per batch; {args.batches} batch(es) per setting "
         f"(seeds {args.first_seed}..{args.first_seed + args.batches - 1}).",
         "",
@@ -578,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     open_results(args.out, "DP-SGD benchmark (issue #3)", intro, section)
     t0 = time.perf_counter()
     rows = run_dp(args.settings, args.clips, args.fracs, args.batches, args.first_seed,
-                  args.max_seconds, args.lr, args.delta, args.device, args.out, args.engine)
+                  args.max_seconds, args.lr, args.delta, args.device, args.out, args.engine,
+                  known_b=args.known_batch_size, epochs=args.epochs, update=args.update)
     notes = dp_conclusion(rows, args.max_seconds)
     notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
     for line in notes:
