@@ -31,7 +31,7 @@ class Reconstruction:
     """True when λ = 1 with all B directions found and no noise detected: the reconstruction
     is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
     within a noise tolerance, and with ``update="fedavg"`` (which checks only that zero rows
-    are inactive units) a noisy update reached λ = 1 at 24 dB; report PSNR there."""
+    are inactive units) a noisy update reached λ = 1 at 35 dB; report PSNR there."""
     n_directions: int
     """Directions found by the search; < B means a partial reconstruction, in which *no* sample
     is guaranteed: every row of Q⁻¹ depends on all B columns (measured on a real batch, true
@@ -249,21 +249,25 @@ class _Search:
     def _tick(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
 
+    def _time_limit(self, share: float) -> float | None:
+        """The ``time.perf_counter()`` value at ``share`` x ``max_seconds`` (None: never)."""
+        budget = self.cfg.max_seconds
+        return None if budget is None else self.start + budget * share
+
     @property
     def deadline(self) -> float | None:
         """The ``time.perf_counter()`` value at which ``max_seconds`` runs out (None: never)."""
-        budget = self.cfg.max_seconds
-        return None if budget is None else self.start + budget
+        return self._time_limit(1.0)
 
     @property
     def finish_deadline(self) -> float | None:
         """The ``time.perf_counter()`` value at which the final selection stops improving (see
         :data:`FINISH_SHARE`; None: never)."""
-        budget = self.cfg.max_seconds
-        return None if budget is None else self.start + budget * (1.0 + FINISH_SHARE)
+        return self._time_limit(1.0 + FINISH_SHARE)
 
-    def _out_of_time(self) -> bool:
-        deadline = self.deadline
+    def _out_of_time(self, deadline: float | None = None) -> bool:
+        """Whether ``deadline`` (by default the search's) has passed."""
+        deadline = self.deadline if deadline is None else deadline
         return deadline is not None and time.perf_counter() > deadline
 
     def _add(self, Q: torch.Tensor, zeros: torch.Tensor,
@@ -467,7 +471,7 @@ class _Search:
         return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
                                      generator=self.generator,
                                      n_samples=self.cfg.slice_samples or 2048,
-                                     deadline=deadline or self.deadline)
+                                     deadline=self.deadline if deadline is None else deadline)
 
     def _feasible(self, cols: torch.Tensor) -> torch.Tensor:
         """Mask of the found columns (B, F) whose ReLU pattern is feasible given the others.
@@ -610,7 +614,7 @@ class _Search:
             combos = (torch.arange(Qc.shape[1])[:, None] if r == 1
                       else torch.combinations(torch.arange(Qc.shape[1]), r))
             for combo in combos.tolist():
-                if deadline is not None and time.perf_counter() > deadline:
+                if self._out_of_time(deadline):
                     break
                 trial = torch.cat([Q[:, good], Qc[:, combo]], dim=1)
                 if torch.linalg.matrix_rank(trial) < self.B:
