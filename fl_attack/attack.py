@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
+from fl_attack.clock import passed
 from fl_attack.config import FEDAVG_TAU, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
@@ -268,7 +269,7 @@ class _Search:
     def _out_of_time(self, deadline: float | None = None) -> bool:
         """Whether ``deadline`` (by default the search's) has passed."""
         deadline = self.deadline if deadline is None else deadline
-        return deadline is not None and time.perf_counter() > deadline
+        return passed(deadline)
 
     def _add(self, Q: torch.Tensor, zeros: torch.Tensor,
              leverage: torch.Tensor | None = None) -> None:

@@ -48,6 +48,7 @@ import torch
 
 from fl_attack import attack as _attack
 from fl_attack import search
+from fl_attack.clock import passed
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
 from fl_attack.filtering import normalize_columns, zero_mask
@@ -200,7 +201,7 @@ def greedy_swaps(
     u_spare = spare.T @ t  # (c,)
     swaps = 0
     while swaps < max_swaps and match.value < 1.0:
-        if deadline is not None and time.perf_counter() > deadline:
+        if passed(deadline):
             break
         P = torch.linalg.inv(Q)
         Ghat = P @ R  # (B, m) unscaled ĝ

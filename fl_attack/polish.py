@@ -10,11 +10,11 @@ caller can split that small subspace (see :mod:`fl_attack.refine`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
 
+from fl_attack.clock import passed
 from fl_attack.filtering import zero_mask
 
 EIGH_UP_TO = 32
@@ -280,7 +280,7 @@ def irls_round(
     eye = torch.eye(B, dtype=L.dtype, device=L.device)
     done = K
     for start in range(0, K, per):
-        if deadline is not None and start > 0 and time.perf_counter() > deadline:
+        if start > 0 and passed(deadline):
             done = start
             break
         q = Q[:, start:start + per].T.contiguous()  # (k, B)

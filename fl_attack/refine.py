@@ -11,10 +11,10 @@ the true columns are the directions with the most extra zeros, which SPEAR-style
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from fl_attack.clock import passed
 from fl_attack.filtering import dedupe, zero_mask
 from fl_attack.polish import masked_grams, smallest_ritz_pairs
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
@@ -210,7 +210,7 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
     out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
     eye = torch.eye(B, dtype=torch.float32, device=L.device)
     for cols, gram in masked_grams(L.float(), mask):
-        if deadline is not None and time.perf_counter() > deadline:
+        if passed(deadline):
             break
         tol = mask[:, cols].sum(dim=0).to(torch.float32) * zero_rtol**2 / m
         shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)

@@ -6,11 +6,12 @@ dense matrix products, on whatever device ``L`` lives on.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import geoopt
 import torch
+
+from fl_attack.clock import passed
 
 
 def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
@@ -40,8 +41,7 @@ CHECK_EVERY = 10
 
 
 def _past(deadline: float | None, step: int) -> bool:
-    return (deadline is not None and step > 0 and step % CHECK_EVERY == 0
-            and time.perf_counter() > deadline)
+    return step > 0 and step % CHECK_EVERY == 0 and passed(deadline)
 
 
 def optimise_on_sphere(

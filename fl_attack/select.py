@@ -9,12 +9,12 @@ O(m n B) of a fresh reconstruction.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from fl_attack.clock import passed
 from fl_attack.filtering import zero_mask
 from fl_attack.scale import LayerSystem, scales
 
@@ -133,7 +133,7 @@ def best_swap(
     i_idx = pos.reshape(-1)
     best_gain, best = 0.0, None
     for start in range(0, u_idx.numel(), chunk):
-        if start > 0 and deadline is not None and time.perf_counter() > deadline:
+        if start > 0 and passed(deadline):
             break
         u = u_idx[start:start + chunk]
         i = i_idx[start:start + chunk]
@@ -178,7 +178,7 @@ def greedy_swaps(
     Damb = _ambiguous(L @ Q, system.zero_rtol)
     swaps = 0
     while swaps < max_swaps and match.value < 1.0:
-        if deadline is not None and time.perf_counter() > deadline:
+        if passed(deadline):
             break
         now = match
 

@@ -6,13 +6,14 @@ photo batch (first layer of a ReLU MLP) and must recover what the attack relies 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_attack import data, feasibility, filtering, models, polish, refine, search, select
+from fl_attack import clock, data, feasibility, filtering, models, polish, refine, search, select
 from fl_attack.decompose import decompose
 from fl_attack.scale import make_system
 
@@ -182,6 +183,13 @@ def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> N
     everything = polish.irls_round(L, full, chunk_elems=chunk)
     assert first.shape == (20, per) and everything.shape == (20, 64)
     assert torch.allclose(first, everything[:, :per], atol=1e-12)
+
+
+def test_a_deadline_passes_only_once_the_clock_is_beyond_it() -> None:
+    now = time.perf_counter()
+    assert not clock.passed(None)
+    assert clock.passed(now - 1.0)
+    assert not clock.passed(now + 3600.0)
 
 
 def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
