@@ -10,11 +10,12 @@ import fl_attack
 from fl_attack import data, metrics, models, select, simulate, updates
 
 
-def _fedavg(seed: int, epochs: int, batch_size: int | None, B: int = 20, m: int = 200):
+def _fedavg(seed: int, epochs: int, batch_size: int | None, B: int = 20, m: int = 200,
+            lr: float = 0.01):
     x, y = data.sample_batch("photos32", B, seed=seed)
     xn = data.normalize(x, "photos32")
     model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
-    res = simulate.local_update(model, xn, y, protocol="fedavg", lr=0.01, epochs=epochs,
+    res = simulate.local_update(model, xn, y, protocol="fedavg", lr=lr, epochs=epochs,
                                 batch_size=batch_size, seed=seed)
     dW, db, W0, b0 = updates.weight_update_pair(model.state_dict(), res.state_dict)
     return x, dW, db, W0, b0
@@ -52,6 +53,19 @@ def test_mini_batch_fedavg_still_leaks(epochs: int) -> None:
     """Mini-batches of 5 (4 steps per epoch): a sample's first step is no longer at W₀, so
     certification is not expected, but the batch is still read above 25 dB."""
     x, dW, db, W0, b0 = _fedavg(seed=4, epochs=epochs, batch_size=5)
+    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
+    assert rec.batch_size == 20
+    assert _score(rec, x).mean_psnr > 25.0
+
+
+def test_a_dead_neuron_does_not_hide_the_batch_size_of_a_small_step_update() -> None:
+    """η = 0.001, E = 5, batch 1: one first-layer unit is inactive for every sample, so its
+    row of W₀ - W_E is exactly zero, and the float32 rounding of the weight difference sits
+    only 780x below the 20th singular value. The drop to that zero singular value used to be
+    read as the end of the signal: "full numerical rank 199", an error instead of an answer
+    (fedavg.md, session 8). Dead rows are now left out of the rank estimate."""
+    x, dW, db, W0, b0 = _fedavg(seed=1, epochs=5, batch_size=None, lr=0.001)
+    assert int((dW.abs().amax(dim=1) == 0).sum()) == 1  # the premise: one dead unit
     rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
     assert rec.batch_size == 20
     assert _score(rec, x).mean_psnr > 25.0
