@@ -33,6 +33,10 @@ def estimate_rank(
 ) -> tuple[int, float, float]:
     """Numerical rank of an m x n matrix from all its singular values ``s`` (descending).
 
+    Pass the matrix without its exactly zero rows and columns (``m``, ``n`` and ``s`` of the
+    live part, as :func:`decompose` does): their singular values are exact zeros, and the drop
+    to them would be read as the end of the signal.
+
     A clean spectrum (a first drop of 1000x or more, down to rounding level, or no flat noise
     bulk at the bottom) gives the count above that drop / the rounding floor. Otherwise the
     noise is estimated by iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.

@@ -59,11 +59,12 @@ def test_mini_batch_fedavg_still_leaks(epochs: int) -> None:
 
 
 def test_a_dead_neuron_does_not_hide_the_batch_size_of_a_small_step_update() -> None:
-    """η = 0.001, E = 5, batch 1: one first-layer unit is inactive for every sample, so its
-    row of W₀ - W_E is exactly zero, and the float32 rounding of the weight difference sits
-    only 780x below the 20th singular value. The drop to that zero singular value used to be
-    read as the end of the signal: "full numerical rank 199", an error instead of an answer
-    (fedavg.md, session 8). Dead rows are now left out of the rank estimate."""
+    """η = 0.001, E = 5, full batch, seed 1: one first-layer unit is inactive for every
+    sample, so its row of W₀ - W_E is exactly zero, and the float32 rounding of the weight
+    difference sits only 780x below the 20th singular value. The drop to that zero singular
+    value used to be read as the end of the signal: "full numerical rank 199", an error
+    instead of an answer (fedavg.md, session 8). Dead rows are now left out of the rank
+    estimate."""
     x, dW, db, W0, b0 = _fedavg(seed=1, epochs=5, batch_size=None, lr=0.001)
     assert int((dW.abs().amax(dim=1) == 0).sum()) == 1  # the premise: one dead unit
     rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
