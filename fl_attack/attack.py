@@ -238,6 +238,7 @@ class _Search:
         self.lambda_stop = cfg.lambda_stop or (0.98 if self.noisy else 1.0)
         self.faces_seen: set[bytes] = set()
         self.samples = 0
+        self.slice_calls = 0
         self.trusted: torch.Tensor | None = None
         """Columns believed right so far; later rounds search their complement."""
         self.verdicts: dict[bytes, tuple[bool, int]] = {}
@@ -449,8 +450,13 @@ class _Search:
             Qc = self._missing_candidates(found, sampled=not exact_ok)
         elif (missing >= 2 and self.cfg.slice_samples
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
-            self.completed[sampled] = self.completed.get(sampled, 0) + 1
-            Qc = self._missing_candidates(found, sampled=True)
+            calls = self.completed.get(sampled, 0)
+            self.completed[sampled] = calls + 1
+            # the larger row sets only for the attack's first call and for retries (the last
+            # call added no column): elsewhere they cost ~45% of a call for ~0.3 columns
+            full = calls > 0 or not self.slice_calls
+            self.slice_calls += 1
+            Qc = self._missing_candidates(found, sampled=True, fractions=None if full else ())
         else:
             return False
         if Qc.shape[1]:
@@ -461,18 +467,22 @@ class _Search:
         return True
 
     def _missing_candidates(self, found: torch.Tensor, *, sampled: bool,
-                            deadline: float | None = None) -> torch.Tensor:
+                            deadline: float | None = None,
+                            fractions: tuple[float, ...] | None = None) -> torch.Tensor:
         """Candidates for the columns missing from ``found`` from W and b: the exact completion
         (``refine.complete_missing``) or slice sampling (``refine.sample_missing``, until
-        ``deadline``, by default the search's)."""
+        ``deadline``, by default the search's; ``fractions``: its larger row sets, None for
+        its default)."""
         args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
                 self.system.t)
         if not sampled:
             return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
+        extra = {} if fractions is None else {"fractions": fractions}
         return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
                                      generator=self.generator,
                                      n_samples=self.cfg.slice_samples or 2048,
-                                     deadline=self.deadline if deadline is None else deadline)
+                                     deadline=self.deadline if deadline is None else deadline,
+                                     **extra)
 
     def _feasible(self, cols: torch.Tensor) -> torch.Tensor:
         """Mask of the found columns (B, F) whose ReLU pattern is feasible given the others.
