@@ -12,7 +12,7 @@ import torch
 
 from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
 from fl_attack.clock import passed
-from fl_attack.config import FEDAVG_TAU, AttackConfig
+from fl_attack.config import FEDAVG_TAU, WIDE_LAYER, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
 from fl_attack.validation import as_tensor, check_layer, input_precision, resolve_device
@@ -452,9 +452,12 @@ class _Search:
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
             calls = self.completed.get(sampled, 0)
             self.completed[sampled] = calls + 1
-            # the larger row sets only for the attack's first call and for retries (the last
-            # call added no column): elsewhere they cost ~45% of a call for ~0.3 columns
-            full = calls > 0 or not self.slice_calls
+            # on wide layers the larger row sets only for the attack's first call and for
+            # retries (the last call added no column): elsewhere they cost ~45% of a call
+            # for ~0.3 columns at (150, 4000); at m = 200 they are cheap, and leaving them
+            # out lost a (30, 200) batch
+            full = (calls > 0 or not self.slice_calls
+                    or self.dec.L.shape[0] < WIDE_LAYER)
             self.slice_calls += 1
             Qc = self._missing_candidates(found, sampled=True, fractions=None if full else ())
         else:
