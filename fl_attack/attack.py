@@ -454,8 +454,7 @@ class _Search:
             self.completed[sampled] = calls + 1
             # on wide layers the larger row sets only for the attack's first call and for
             # retries (the last call added no column): elsewhere they cost ~45% of a call
-            # for ~0.3 columns at (150, 4000); at m = 200 they are cheap, and leaving them
-            # out lost a (30, 200) batch
+            # for ~0.3 columns at (150, 4000); below WIDE_LAYER they are cheap and stay
             full = (calls > 0 or not self.slice_calls
                     or self.dec.L.shape[0] < WIDE_LAYER)
             self.slice_calls += 1
