@@ -12,7 +12,7 @@ import torch
 
 from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
 from fl_attack.clock import passed
-from fl_attack.config import FEDAVG_TAU, WIDE_LAYER, AttackConfig
+from fl_attack.config import FEDAVG_TAU, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import LayerSystem, make_system, reconstruct
 from fl_attack.validation import as_tensor, check_layer, input_precision, resolve_device
@@ -238,7 +238,6 @@ class _Search:
         self.lambda_stop = cfg.lambda_stop or (0.98 if self.noisy else 1.0)
         self.faces_seen: set[bytes] = set()
         self.samples = 0
-        self.slice_calls = 0
         self.trusted: torch.Tensor | None = None
         """Columns believed right so far; later rounds search their complement."""
         self.verdicts: dict[bytes, tuple[bool, int]] = {}
@@ -450,15 +449,8 @@ class _Search:
             Qc = self._missing_candidates(found, sampled=not exact_ok)
         elif (missing >= 2 and self.cfg.slice_samples
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
-            calls = self.completed.get(sampled, 0)
-            self.completed[sampled] = calls + 1
-            # on wide layers the larger row sets only for the attack's first call and for
-            # retries (the last call added no column): elsewhere they cost ~45% of a call
-            # for ~0.3 columns at (150, 4000); below WIDE_LAYER they are cheap and stay
-            full = (calls > 0 or not self.slice_calls
-                    or self.dec.L.shape[0] < WIDE_LAYER)
-            self.slice_calls += 1
-            Qc = self._missing_candidates(found, sampled=True, fractions=None if full else ())
+            self.completed[sampled] = self.completed.get(sampled, 0) + 1
+            Qc = self._missing_candidates(found, sampled=True)
         else:
             return False
         if Qc.shape[1]:
@@ -469,22 +461,18 @@ class _Search:
         return True
 
     def _missing_candidates(self, found: torch.Tensor, *, sampled: bool,
-                            deadline: float | None = None,
-                            fractions: tuple[float, ...] | None = None) -> torch.Tensor:
+                            deadline: float | None = None) -> torch.Tensor:
         """Candidates for the columns missing from ``found`` from W and b: the exact completion
         (``refine.complete_missing``) or slice sampling (``refine.sample_missing``, until
-        ``deadline``, by default the search's; ``fractions``: its larger row sets, None for
-        its default)."""
+        ``deadline``, by default the search's)."""
         args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
                 self.system.t)
         if not sampled:
             return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
-        extra = {} if fractions is None else {"fractions": fractions}
         return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
                                      generator=self.generator,
                                      n_samples=self.cfg.slice_samples or 2048,
-                                     deadline=self.deadline if deadline is None else deadline,
-                                     **extra)
+                                     deadline=self.deadline if deadline is None else deadline)
 
     def _feasible(self, cols: torch.Tensor) -> torch.Tensor:
         """Mask of the found columns (B, F) whose ReLU pattern is feasible given the others.

@@ -140,9 +140,9 @@ class AttackConfig:
     """Points drawn on the slice of the missing samples, each round, when 2 or more columns are
     missing (``refine.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the exact
     completion); 0 turns it off. Each point gives up to three row sets (its B most negative
-    rows, 60% and 75% of its negative rows); from :data:`WIDE_LAYER` outputs the larger two
-    only on the attack's first call and when the last call on the same found set added no
-    column (they cost ~45% of a call at (150, 4000) and then added 0-2 columns in 15 calls)."""
+    rows, 60% and 75% of its negative rows). At (150, 4000) the larger two cost ~45% of a call
+    and add columns mostly on the first call; using them only there and on retries was tried
+    (session 11, ``core.md``) and gave no measurable end-to-end gain."""
 
     # --- selection (SPEC §5) --------------------------------------------------------------------
     verify_dim: int = 64
