@@ -157,6 +157,16 @@ def test_slice_first_needs_no_search_round() -> None:
     assert float(_score(rec, x, "photos32").psnr.min()) > 90.0
 
 
+def test_repair_keeps_a_true_column_of_high_leverage() -> None:
+    """(30, 200) photo batch 3: one sample's 96 zero rows share 93 with another's, so its exact
+    column has leverage 0.9925, above ``max_leverage``. The final repair must not cut it: it
+    did until session 11 (85.9 dB, λ = 0.9987, two columns wrong)."""
+    x, G, g, W, b = _batch("photos32", 30, 200, 3)
+    rec = fl_attack.invert(G, g, weight=W, bias=b, seed=3)
+    assert rec.exact and rec.sparsity_match == 1.0
+    assert float(_score(rec, x, "photos32").psnr.min()) > 90.0
+
+
 def test_explicit_batch_size_and_timings() -> None:
     x, G, g, W, b = _batch("mnist", 12, 200, 4)
     rec = fl_attack.invert(G, g, weight=W, bias=b, batch_size=12, seed=0)
