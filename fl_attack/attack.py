@@ -605,7 +605,7 @@ class _Search:
         best_Q, best = Q, self.match
         if Qc.shape[1]:
             Qc, zeros, _, _ = polish.polish(self.dec.L, Qc, n_rows=self._n_rows(),
-                                              zero_rtol=self.system.zero_rtol)
+                                            zero_rtol=self.system.zero_rtol)
             # no leverage cut here: every trial basis must raise λ to be kept, and a true
             # column can have a leverage above max_leverage (measured 0.9925 at (30, 200),
             # a sample whose 96 zero rows share 93 with another's: cut, it was never found)
