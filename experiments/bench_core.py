@@ -51,7 +51,8 @@ def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float |
         psnrs.append(score.mean_psnr)
         exact += int(rec.exact)
         print(f"  B={B} m={m} batch {seed}: PSNR {score.mean_psnr:6.1f}  λ={rec.sparsity_match:.4f}"
-              f"  found {rec.n_directions}/{rec.batch_size}  {secs[-1]:.1f}s", flush=True)
+              f"  found {rec.n_directions}/{rec.batch_size}  {secs[-1]:.1f}s"
+              + (f"  ({rec.chance_zeros} chance zeros)" if rec.chance_zeros else ""), flush=True)
     return {
         "acc": metrics.batch_accuracy(psnrs, 90.0), "psnr": statistics.mean(psnrs),
         "certified": 100.0 * exact / batches, "median_s": statistics.median(secs),

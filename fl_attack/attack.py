@@ -27,7 +27,9 @@ class Reconstruction:
     batch_size: int
     """Detected (or given) batch size B."""
     sparsity_match: float | None
-    """λ ∈ [0, 1]; None without ``weight`` and ``bias``."""
+    """λ ∈ [0, 1]; None without ``weight`` and ``bias``. Active units whose ∂L/∂Z is
+    indistinguishable from zero count as matches when they are the only mismatches and no
+    more than chance explains (``chance_zeros``; ``select.sparsity_match``)."""
     exact: bool
     """True when λ = 1 with all B directions found and no noise detected: the reconstruction
     is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
@@ -49,6 +51,10 @@ class Reconstruction:
     column_match: torch.Tensor | None = None
     """Per-sample sparsity match (fraction of the m entries whose patterns agree)."""
     config: AttackConfig | None = None
+    chance_zeros: int = 0
+    """Entries counted as matches in λ although the paper's λ₊ term counts them as mismatches:
+    an active unit whose ∂L/∂Z passed the zero test (its ∂L/∂A is that small; the ReLU law
+    allows it). 0 when λ < 1."""
 
     @property
     def partial(self) -> bool:
@@ -69,6 +75,7 @@ class Reconstruction:
             "n_candidates": self.n_candidates,
             "swaps": self.swaps,
             "noise_std": self.noise_std,
+            "chance_zeros": self.chance_zeros,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
         }
 
@@ -148,6 +155,7 @@ def invert(
         scales=s.cpu(),
         column_match=col,
         config=cfg,
+        chance_zeros=run.match.chance_zeros if run.match is not None else 0,
     )
 
 
@@ -553,8 +561,9 @@ class _Search:
                 trusted = self.trusted.shape[1] if self.trusted is not None else 0
                 print(f"[fl_attack] round {self.rounds}: {self.n_candidates} candidates, "
                       f"{count}/{self.B} directions ({trusted} trusted), λ={lam}", flush=True)
-            # a full basis whose pool no round changes any more: λ < 1 is final (seen: one ∂L/∂Z
-            # entry of 1e5 truly ~1e-11 at a clearly active unit keeps the true basis at 0.99999)
+            # a full basis whose pool no round changes any more: λ < 1 is final (λ forgives a
+            # few chance zeros at active units, select.sparsity_match, but not every true basis
+            # reaches 1: e.g. a sample with a tiny loss gradient has a column at the noise level)
             state = (self.n_candidates, count, self.match.value if self.match else None)
             stale, last = (stale + 1 if state == last else 0), state
             if (done or self._out_of_time() or (spear and self.samples >= self.cfg.max_samples)

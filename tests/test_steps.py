@@ -213,6 +213,41 @@ def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
     assert late is not None and late.value == before.value
 
 
+def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
+    """(30, 200) photo batch 16: one active unit's ∂L/∂Z is 4e-7 of its column's largest entry,
+    below the float32 zero test, so the paper's λ₊ term keeps the *true* basis at 0.99983.
+    λ counts that chance zero as a match (the ReLU law holds there); a basis with a column
+    mixing two samples breaks the law and keeps every mismatch."""
+    t = _truth(30, 200, seed=16)
+    x, _ = data.sample_batch("photos32", 30, seed=16)
+    X = data.normalize(x, "photos32").reshape(30, -1).double()
+    Z = (X @ t["W"].T + t["b"]).T  # (m, B)
+    D = t["D"]
+    rel = D.abs() / D.abs().amax(dim=0)
+    assert int(((Z > 0) & (rel < 1e-6)).sum()) == 1  # the premise: one chance zero
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4, z_band=1e-5)
+    Qt = t["Qt"] / t["Qt"].norm(dim=0)
+    match = select.sparsity_match(Qt, system)
+    assert match is not None and match.value == 1.0 and match.chance_zeros == 1
+    share = (rel <= 1e-4).double()
+    share = share.T @ share
+    share.fill_diagonal_(-1)
+    for a in range(3):  # column a mixed with the sample sharing most of its zero rows
+        Q = Qt.clone()
+        Q[:, a] = Qt[:, a] + 0.1 * Qt[:, int(share[a].argmax())]
+        wrong = select.sparsity_match(Q, system)
+        assert wrong is not None and wrong.value < 0.999 and wrong.chance_zeros == 0
+
+
+def test_chance_zero_allowance_is_a_poisson_quantile() -> None:
+    from scipy.stats import poisson
+
+    for n_band, ratio in ((0, 1 / 99), (17, 1 / 99), (98, 1 / 99), (500, 1 / 99)):
+        mu = (n_band + 1) * ratio
+        assert select.chance_zero_allowance(n_band, ratio) == int(
+            poisson.ppf(1 - select.CHANCE_TAIL, mu))
+
+
 def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
     """Polishing's Gram matrices and leverages, formed from gathered rows in chunks ordered by
     size, equal Lᵀ diag(mask) L and max over masked rows of lᵀ (G + q qᵀ)⁻¹ l, per column."""
