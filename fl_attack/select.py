@@ -98,13 +98,14 @@ def chance_zero_allowance(n_band: int, band_ratio: float) -> int:
     0). The allowance is the (1 − CHANCE_TAIL) quantile of that Poisson count.
     """
     mu = (n_band + 1) * band_ratio
-    k, term = 0, math.exp(-mu)
-    cdf = term
-    while 1.0 - cdf > CHANCE_TAIL:
+    if mu <= 0.0:
+        return 0
+    k, cdf = 0, 0.0
+    while True:  # in logs: e^-mu underflows for mu > 745 (noisy updates fill the band)
+        cdf += math.exp(k * math.log(mu) - mu - math.lgamma(k + 1))
+        if 1.0 - cdf <= CHANCE_TAIL:
+            return k
         k += 1
-        term *= mu / k
-        cdf += term
-    return k
 
 
 def _forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, V: torch.Tensor,
