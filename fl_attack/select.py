@@ -108,21 +108,22 @@ def chance_zero_allowance(n_band: int, band_ratio: float) -> int:
         k += 1
 
 
-def _forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, V: torch.Tensor,
+def _forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, ambiguous: torch.Tensor,
                           Dzero: torch.Tensor, system: LayerSystem) -> tuple[torch.Tensor, int]:
     """Count chance zeros as matches when they are the only mismatches and plausibly few.
 
     A chance zero is an active unit (Z above the band) whose ∂L/∂Z passes the zero test. The
     ReLU law (Z ≤ 0 ⇒ ∂L/∂Z = 0) holds there; only the paper's λ₊ term counts it. A wrong
     basis breaks the law itself (a column mixing two samples is non-zero where one of them is
-    inactive), so any law violation keeps every mismatch counted. Returns (ok, forgiven).
+    inactive), so any law violation keeps every mismatch counted. ``ambiguous``: the entries
+    in the band (``_ambiguous``, already computed for ``ok``). Returns (ok, forgiven).
     """
     bad = ~ok
     n_bad = int(bad.sum())
     if n_bad == 0 or system.subset or bool((bad & ~Dzero).any()):
         return ok, 0
     tol = system.z_band * Z.abs().amax(dim=0, keepdim=True)
-    n_band = int(((Z > tol) & _ambiguous(V, system.zero_rtol)).sum())
+    n_band = int(((Z > tol) & ambiguous).sum())
     if n_bad > chance_zero_allowance(n_band, AMBIGUOUS_FLOOR / (1.0 - AMBIGUOUS_FLOOR)):
         return ok, 0
     return torch.ones_like(ok), n_bad
@@ -159,8 +160,9 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
     Z = H / s + system.bias[:, None]
     V = system.L @ Q
     Dzero = zero_mask(V, system.zero_rtol)
-    ok = _matches(Z, Dzero, system.z_band, system.subset) | _ambiguous(V, system.zero_rtol)
-    ok, forgiven = _forgive_chance_zeros(ok, Z, V, Dzero, system)
+    amb = _ambiguous(V, system.zero_rtol)
+    ok = _matches(Z, Dzero, system.z_band, system.subset) | amb
+    ok, forgiven = _forgive_chance_zeros(ok, Z, amb, Dzero, system)
     per_col = ok.sum(dim=0)
     value = float(per_col.sum()) / (m * Q.shape[1])
     return Match(value=value, per_column=per_col, H=H, s=s, P=P, chance_zeros=forgiven)
