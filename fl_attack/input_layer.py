@@ -53,7 +53,7 @@ from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
 from fl_attack.filtering import normalize_columns, zero_mask
 from fl_attack.scale import LayerSystem
-from fl_attack.select import best_swap
+from fl_attack.select import _ambiguous, best_swap, forgive_chance_zeros
 
 __all__ = [
     "InputMatch",
@@ -109,11 +109,6 @@ def input_factors(
     return X, D, u
 
 
-def _ambiguous(V: torch.Tensor, zero_rtol: float) -> torch.Tensor:
-    """Entries too small to tell from rounding noise (within 100x of the zero test), per column."""
-    return zero_mask(V, zero_rtol) & ~zero_mask(V, zero_rtol * 1e-2)
-
-
 def _agree(Z: torch.Tensor, Dzero: torch.Tensor, band: float) -> torch.Tensor:
     """Entry-wise agreement of "Z ≤ 0" with "∂L/∂Z = 0", Z within ``band`` of 0 matching both."""
     if band <= 0:
@@ -132,6 +127,9 @@ class InputMatch:
     """(B,) agreeing entries per sample (out of m)."""
     nonnegative: torch.Tensor
     """(B,) bool: ``x_i`` has no entry below ``-zero_rtol · max|x_i|`` and ``u_i > 0``."""
+    chance_zeros: int = 0
+    """Active units whose output gradient passed the zero test, counted as matches
+    (:func:`fl_attack.select.forgive_chance_zeros`)."""
 
 
 def pattern_match(
@@ -150,16 +148,21 @@ def pattern_match(
     zero (``|D_ij| ≤ zero_rtol · max_j |D_ij|``). Pre-activations within ``z_band · max_j |z_ij|``
     of zero match either way (rounding of ``z``), and so do gradient entries between
     ``zero_rtol/100`` and ``zero_rtol`` relative (too small to tell from rounding noise), as in the
-    output-mode λ. λ = agreeing entries / (m B).
+    output-mode λ. λ = agreeing entries / (m B). Chance zeros (an active unit whose gradient
+    passed the zero test) count as matches when they are the only mismatches and no more than
+    chance explains, as in the output-mode λ (``forgive_chance_zeros``).
     """
     Z = (X @ weight.T + bias).T  # (m, B)
     V = D.T  # (m, B)
-    agree = _agree(Z, zero_mask(V, zero_rtol), z_band) | _ambiguous(V, zero_rtol)
+    Dzero = zero_mask(V, zero_rtol)
+    amb = _ambiguous(V, zero_rtol)
+    agree, forgiven = forgive_chance_zeros(_agree(Z, Dzero, z_band) | amb, Z, amb, Dzero, z_band)
     per = agree.sum(dim=0)
     m, B = V.shape
     xmax = X.abs().amax(dim=1).clamp_min(torch.finfo(X.dtype).tiny)
     nonneg = (X >= -zero_rtol * xmax[:, None]).all(dim=1) & (u > 0)
-    return InputMatch(value=float(per.sum()) / (m * B), per_sample=per, nonnegative=nonneg)
+    return InputMatch(value=float(per.sum()) / (m * B), per_sample=per, nonnegative=nonneg,
+                      chance_zeros=forgiven)
 
 
 def _match(Q: torch.Tensor, system: LayerSystem, W: torch.Tensor, b: torch.Tensor,
@@ -408,6 +411,7 @@ def invert_inputs(
         noise_std=dec.noise_std,
         scales=D.norm(dim=1).cpu(),
         column_match=col,
+        chance_zeros=match.chance_zeros if match is not None else 0,
         config=dataclasses.replace(cfg, sparse="input"),
     )
 

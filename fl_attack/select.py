@@ -108,21 +108,23 @@ def chance_zero_allowance(n_band: int, band_ratio: float) -> int:
         k += 1
 
 
-def _forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, ambiguous: torch.Tensor,
-                          Dzero: torch.Tensor, system: LayerSystem) -> tuple[torch.Tensor, int]:
+def forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, ambiguous: torch.Tensor,
+                         Dzero: torch.Tensor, z_band: float) -> tuple[torch.Tensor, int]:
     """Count chance zeros as matches when they are the only mismatches and plausibly few.
 
-    A chance zero is an active unit (Z above the band) whose ∂L/∂Z passes the zero test. The
-    ReLU law (Z ≤ 0 ⇒ ∂L/∂Z = 0) holds there; only the paper's λ₊ term counts it. A wrong
-    basis breaks the law itself (a column mixing two samples is non-zero where one of them is
-    inactive), so any law violation keeps every mismatch counted. ``ambiguous``: the entries
-    in the band (``_ambiguous``, already computed for ``ok``). Returns (ok, forgiven).
+    A chance zero is an active unit (``Z`` (m, B) above the band) whose ∂L/∂Z passes the zero
+    test (``Dzero``). The ReLU law (Z ≤ 0 ⇒ ∂L/∂Z = 0) holds there; only the paper's λ₊ term
+    counts it. A wrong basis breaks the law itself (a column mixing two samples is non-zero
+    where one of them is inactive), so any law violation keeps every mismatch counted.
+    ``ok``: the entries matching so far; ``ambiguous``: the entries in the band
+    (``_ambiguous``). Shared by the output side (:func:`sparsity_match`) and the input side
+    (``fl_attack.input_layer.pattern_match``). Returns (ok, forgiven).
     """
     bad = ~ok
     n_bad = int(bad.sum())
-    if n_bad == 0 or system.subset or bool((bad & ~Dzero).any()):
+    if n_bad == 0 or bool((bad & ~Dzero).any()):
         return ok, 0
-    tol = system.z_band * Z.abs().amax(dim=0, keepdim=True)
+    tol = z_band * Z.abs().amax(dim=0, keepdim=True)
     n_band = int(((Z > tol) & ambiguous).sum())
     if n_bad > chance_zero_allowance(n_band, AMBIGUOUS_FLOOR / (1.0 - AMBIGUOUS_FLOOR)):
         return ok, 0
@@ -140,7 +142,7 @@ class Match:
     P: torch.Tensor
     chance_zeros: int = 0
     """Active units whose ∂L/∂Z passed the zero test, counted as matches
-    (``_forgive_chance_zeros``)."""
+    (:func:`forgive_chance_zeros`)."""
 
 
 def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
@@ -148,7 +150,7 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
 
     Chance zeros (an active unit whose ∂L/∂Z is indistinguishable from zero) count as
     matches when they are the only mismatches and no more than chance explains
-    (``_forgive_chance_zeros``): otherwise the true basis of such a batch could never reach
+    (:func:`forgive_chance_zeros`): otherwise the true basis of such a batch could never reach
     λ = 1.
     """
     if system.WR is None or system.bias is None:
@@ -162,7 +164,9 @@ def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
     Dzero = zero_mask(V, system.zero_rtol)
     amb = _ambiguous(V, system.zero_rtol)
     ok = _matches(Z, Dzero, system.z_band, system.subset) | amb
-    ok, forgiven = _forgive_chance_zeros(ok, Z, amb, Dzero, system)
+    # FedAvg sums (whose λ checks only zeros) forgive nothing
+    ok, forgiven = ((ok, 0) if system.subset
+                    else forgive_chance_zeros(ok, Z, amb, Dzero, system.z_band))
     per_col = ok.sum(dim=0)
     value = float(per_col.sum()) / (m * Q.shape[1])
     return Match(value=value, per_column=per_col, H=H, s=s, P=P, chance_zeros=forgiven)
@@ -278,5 +282,5 @@ def greedy_swaps(
     return Q, match, swaps
 
 
-__all__ = ["Match", "best_swap", "complete_basis", "greedy_swaps", "scales", "sparsity_match",
-           "stage1"]
+__all__ = ["Match", "best_swap", "complete_basis", "forgive_chance_zeros", "greedy_swaps", "scales",
+           "sparsity_match", "stage1"]
