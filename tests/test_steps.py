@@ -97,6 +97,38 @@ def test_sample_missing_recovers_many_dropped_columns() -> None:
     assert len(set(drop) & hits) >= 4, (drop, sorted(hits))
 
 
+@pytest.mark.parametrize(("B", "m", "chunk"), [(30, 200, 2**25), (100, 1000, 2**22)])
+def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chunk: int) -> None:
+    """Slice sampling's three nested row sets per point, screened with Grams accumulated along
+    the nesting (``nested_row_set_kernels``), give exactly the kernels of screening each
+    rule's row sets on their own (``pattern_kernels`` on the deduplicated masks), also when
+    the points are split into several chunks."""
+    t = _truth(B, m, seed=1)
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
+    gen = torch.Generator().manual_seed(0)
+    keep = torch.randperm(B, generator=gen)[: B - B // 3]
+    offset, Aw, dist = refine._missing_slice(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep],
+                                             system.t)
+    w = torch.randn(512, Aw.shape[1], generator=gen, dtype=torch.float64) * dist
+    h = offset[:, None] + Aw @ w.T
+    idx, lengths = refine.slice_row_sets(h, B, (0.6, 0.75))
+    assert bool((lengths[1:] >= lengths[:-1]).all()) and bool((lengths[0] <= B).all())
+    new = refine.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk)
+    ranks = torch.arange(idx.shape[0])[:, None]
+    old = []
+    for r in range(lengths.shape[0]):
+        use = lengths[r] >= B - 1
+        rows = torch.where(ranks < lengths[r, use][None], idx[:, use], m)
+        mask = torch.zeros(m + 1, int(use.sum()), dtype=torch.bool).scatter_(0, rows, True)[:m]
+        old.append(refine.pattern_kernels(t["L"], torch.unique(mask, dim=1), 1e-4))
+    old = torch.cat(old, dim=1)
+    assert new.shape[1] == old.shape[1] > 0
+    cos = (old.T @ new).abs()
+    assert float(cos.max(dim=1).values.min()) > 1 - 1e-9
+    assert float(cos.max(dim=0).values.min()) > 1 - 1e-9
+    assert len(_hits(t["Qt"], new)) > 0  # the sets do reach true columns
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
     """A partial set of true columns passes the LP feasibility test; adding the mixture of the
