@@ -206,21 +206,36 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
     Past ``deadline`` (a ``time.perf_counter()`` value, checked between chunks of patterns)
     the patterns not yet screened are skipped.
     """
-    m, B = L.shape
-    out = [torch.empty(B, 0, dtype=L.dtype, device=L.device)]
-    eye = torch.eye(B, dtype=torch.float32, device=L.device)
+    out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
     for cols, gram in masked_grams(L.float(), mask):
         if passed(deadline):
             break
-        tol = mask[:, cols].sum(dim=0).to(torch.float32) * zero_rtol**2 / m
-        shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
-        _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
-        near = cols[info != 0]
+        near = cols[_may_have_kernel(gram, mask[:, cols].sum(dim=0), zero_rtol, L.shape[0])]
         if near.numel():
-            for sub, exact in masked_grams(L, mask[:, near]):
-                tol = mask[:, near[sub]].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
-                out.append(_one_dim_kernels(exact, tol))
+            out.append(_exact_pattern_kernels(L, mask[:, near], zero_rtol))
     return torch.cat(out, dim=1).contiguous()
+
+
+def _may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
+                     m: int) -> torch.Tensor:
+    """The float32 screen of :func:`pattern_kernels`: which Gram matrices (k, B, B) of
+    ``n_rows`` (k,) rows each may have a kernel the exact test would keep (k,)."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    tol = n_rows.to(gram.dtype) * zero_rtol**2 / m
+    shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
+    _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
+    return info != 0
+
+
+def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+    """The exact test of :func:`pattern_kernels` on the row sets ``mask`` (m, P) that passed
+    the screen: their exactly one-dimensional kernels (B, c), from float64 Grams."""
+    m = L.shape[0]
+    out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
+    for sub, exact in masked_grams(L, mask):
+        tol = mask[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
+        out.append(_one_dim_kernels(exact, tol))
+    return torch.cat(out, dim=1)
 
 
 def _cells_1d(slope: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -358,12 +373,13 @@ def slice_row_sets(h: torch.Tensor, B: int,
     negative rows, then ``fractions`` of its negative rows (at least B), never a row with
     h > 0. The sets of a point are prefixes of one order, hence nested.
     """
+    if list(fractions) != sorted(fractions):
+        raise ValueError(f"fractions must be non-decreasing (nested row sets), got {fractions}")
     m = h.shape[0]
     negative = (h <= 0).sum(dim=0)
     sizes = [torch.full_like(negative, B)]
     sizes += [(f * negative).ceil().long().clamp(B, m - 1) for f in fractions]
     lengths = torch.stack([torch.minimum(n, negative) for n in sizes])
-    lengths = torch.cummax(lengths, dim=0).values
     top = max(int(lengths.max()), 1)
     idx = h.topk(top, dim=0, largest=False).indices  # (top, S), most negative first
     return idx, lengths
@@ -387,7 +403,6 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     if S == 0:
         return out[0]
     padded = torch.cat([L.float(), L.new_zeros(1, B, dtype=torch.float32)])  # row m: padding
-    eye = torch.eye(B, dtype=torch.float32, device=L.device)
     per = max(1, chunk_elems // (max(int(lengths[-1].max()), 1) * B))
     near: list[list[torch.Tensor]] = [[] for _ in range(n_rules)]
     ranks = torch.arange(idx.shape[0], device=idx.device)[:, None]
@@ -407,11 +422,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
                 Lg = padded[rows.T]  # (k, w, B)
                 gram = gram + Lg.transpose(1, 2) @ Lg
             lo = hi
-            ok = hi >= B - 1
-            tol = hi.to(torch.float32) * zero_rtol**2 / m
-            shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
-            _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
-            sel = (info != 0) & ok
+            sel = _may_have_kernel(gram, hi, zero_rtol, m) & (hi >= B - 1)
             if bool(sel.any()):
                 near[r].append(cols[sel])
     for r in range(n_rules):
@@ -424,9 +435,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
         sets = sets.scatter_(0, rows, True)[:m]
         if sets.shape[1] > 1:
             sets = torch.unique(sets, dim=1)
-        for sub, exact in masked_grams(L, sets):
-            tol64 = sets[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
-            out.append(_one_dim_kernels(exact, tol64))
+        out.append(_exact_pattern_kernels(L, sets, zero_rtol))
     return torch.cat(out, dim=1).contiguous()
 
 
@@ -487,7 +496,6 @@ def sample_missing(
         w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
     idx, lengths = slice_row_sets(h, B, fractions)
-    cands = [empty, nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline)]
-    Q = torch.cat(cands, dim=1)
+    Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
 

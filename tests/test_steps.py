@@ -113,6 +113,8 @@ def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chun
     h = offset[:, None] + Aw @ w.T
     idx, lengths = refine.slice_row_sets(h, B, (0.6, 0.75))
     assert bool((lengths[1:] >= lengths[:-1]).all()) and bool((lengths[0] <= B).all())
+    with pytest.raises(ValueError, match="non-decreasing"):  # the sets would not be nested
+        refine.slice_row_sets(h, B, (0.75, 0.6))
     new = refine.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk)
     ranks = torch.arange(idx.shape[0])[:, None]
     old = []
