@@ -58,6 +58,19 @@ def gathered_rows(
         start = end
 
 
+def plus_diagonal(gram: torch.Tensor, shift: torch.Tensor, *, inplace: bool = False
+                  ) -> torch.Tensor:
+    """``gram + shift_k I`` for each matrix of ``gram`` (k, B, B), ``shift`` (k,).
+
+    Shifting only the diagonal (of a copy unless ``inplace``) instead of broadcasting a
+    (k, B, B) multiple of the identity: ~20x cheaper, which mattered where every sampled row
+    set's Gram matrix is shifted before a Cholesky screen.
+    """
+    out = gram if inplace else gram.clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(shift[:, None].to(gram.dtype))
+    return out
+
+
 def masked_grams(
     L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -148,12 +161,11 @@ def smallest_ritz_pairs(
     1 ms for their Cholesky factors).
     """
     B, r = gram.shape[-1], Y.shape[-1]
-    eye = torch.eye(B, dtype=gram.dtype, device=gram.device)
     shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
-    chol, info = torch.linalg.cholesky_ex(gram + shift[:, None, None] * eye)
+    chol, info = torch.linalg.cholesky_ex(plus_diagonal(gram, shift))
     bad = info != 0
     if bool(bad.any()):  # keep the batch finite; these take the eigh fallback below
-        chol[bad] = eye
+        chol[bad] = torch.eye(B, dtype=gram.dtype, device=gram.device)
     for _ in range(iters):
         Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
     T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
@@ -277,7 +289,6 @@ def irls_round(
     K = Q.shape[1]
     out = torch.empty_like(Q)
     per = max(1, chunk_elems // (m * B))
-    eye = torch.eye(B, dtype=L.dtype, device=L.device)
     done = K
     for start in range(0, K, per):
         if start > 0 and passed(deadline):
@@ -292,7 +303,7 @@ def irls_round(
             w = w / w.amax(dim=1, keepdim=True)
             gram = (L.T[None] * w[:, None, :]) @ L  # (k, B, B)
             jitter = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
-            gram = gram + jitter[:, None, None] * eye
+            gram = plus_diagonal(gram, jitter, inplace=True)
             chol, info = torch.linalg.cholesky_ex(gram)
             z = torch.cholesky_solve(q[:, :, None], chol)[:, :, 0]
             bad = (info != 0) | ~torch.isfinite(z).all(dim=1)

@@ -16,7 +16,7 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.filtering import dedupe, zero_mask
-from fl_attack.polish import masked_grams, smallest_ritz_pairs
+from fl_attack.polish import masked_grams, plus_diagonal, smallest_ritz_pairs
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -167,6 +167,18 @@ def conditional_directions(
     return Qs / Qs.norm(dim=0, keepdim=True)
 
 
+# Batched B x B factorisations on the CPU are bound by memory traffic (copies, ``tril``) once a
+# batch outgrows the cache: at B = 150, 1500 float64 Gram matrices took 1.5 s in one call and
+# 0.5-0.6 s in blocks of 8-32 (one thread). On CUDA one call per batch is best.
+_CPU_BLOCK = 32
+
+
+def _blocks(n: int, device: torch.device) -> list[slice]:
+    """The blocks a batch of ``n`` matrices on ``device`` is factorised in."""
+    step = _CPU_BLOCK if device.type == "cpu" else max(n, 1)
+    return [slice(i, i + step) for i in range(0, n, step)]
+
+
 def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> torch.Tensor:
     """Unit kernel vectors (B, c) of the Gram matrices (k, B, B) whose numerical kernel (below
     ``tol`` (k,)) is exactly one-dimensional.
@@ -178,16 +190,19 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> t
     took half of the time on a 2-core CPU at B = 100.)
     """
     B = gram.shape[-1]
-    eye = torch.eye(B, dtype=gram.dtype, device=gram.device)
-    _, info = torch.linalg.cholesky_ex(gram - tol[:, None, None] * eye)
-    singular = info != 0
-    if not bool(singular.any()):
-        return torch.empty(B, 0, dtype=gram.dtype, device=gram.device)
-    gram, tol = gram[singular], tol[singular]
     gen = torch.Generator().manual_seed(0)
     Y = torch.randn(B, block, generator=gen, dtype=gram.dtype).to(gram.device)
-    theta, V = smallest_ritz_pairs(gram, Y[None].expand(gram.shape[0], -1, -1))
-    vec = V[:, :, 0][(theta[:, 0] <= tol) & (theta[:, 1] > tol)]
+    out = [torch.empty(0, B, dtype=gram.dtype, device=gram.device)]
+    for blk in _blocks(gram.shape[0], gram.device):
+        g, t = gram[blk], tol[blk]
+        _, info = torch.linalg.cholesky_ex(plus_diagonal(g, -t))
+        singular = info != 0
+        if not bool(singular.any()):
+            continue
+        g, t = g[singular], t[singular]
+        theta, V = smallest_ritz_pairs(g, Y[None].expand(g.shape[0], -1, -1))
+        out.append(V[:, :, 0][(theta[:, 0] <= t) & (theta[:, 1] > t)])
+    vec = torch.cat(out)
     return (vec / vec.norm(dim=1, keepdim=True)).T
 
 
@@ -220,11 +235,11 @@ def _may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
                      m: int) -> torch.Tensor:
     """The float32 screen of :func:`pattern_kernels`: which Gram matrices (k, B, B) of
     ``n_rows`` (k,) rows each may have a kernel the exact test would keep (k,)."""
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     tol = n_rows.to(gram.dtype) * zero_rtol**2 / m
     shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
-    _, info = torch.linalg.cholesky_ex(gram - shift[:, None, None] * eye)
-    return info != 0
+    info = [torch.linalg.cholesky_ex(plus_diagonal(gram[blk], -shift[blk]))[1]
+            for blk in _blocks(gram.shape[0], gram.device)]
+    return torch.cat(info) != 0 if info else torch.zeros(0, dtype=torch.bool, device=gram.device)
 
 
 def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
@@ -232,7 +247,7 @@ def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float
     the screen: their exactly one-dimensional kernels (B, c), from float64 Grams."""
     m = L.shape[0]
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
-    for sub, exact in masked_grams(L, mask):
+    for sub, exact in masked_grams(L, mask, 2**22):
         tol = mask[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
         out.append(_one_dim_kernels(exact, tol))
     return torch.cat(out, dim=1)
@@ -387,7 +402,8 @@ def slice_row_sets(h: torch.Tensor, B: int,
 
 def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
                            zero_rtol: float, chunk_elems: int = 2**25,
-                           deadline: float | None = None) -> torch.Tensor:
+                           deadline: float | None = None,
+                           prune_at: tuple[float, ...] = (2.0, 3.0, 5.0)) -> torch.Tensor:
     """:func:`pattern_kernels` of the nested row sets of :func:`slice_row_sets` (B, c).
 
     Row set r of point p is ``idx[:lengths[r, p], p]``; sets with fewer than B - 1 rows are
@@ -395,7 +411,13 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     Gram matrices are accumulated along the nesting: each rule adds only the rows beyond the
     previous one, so a point's three sets cost its largest set once (at B = 150, m = 4000 the
     separate Grams of the three rules were half of a slice-sampling call on 2 cores).
-    Past ``deadline`` no further chunk of points starts.
+
+    A point is dropped as soon as a prefix of its rows is clearly full rank: adding rows only
+    raises the smallest eigenvalue, so if the prefix's Gram passes the screen at the largest
+    set's tolerance, none of the point's later sets can have a kernel the exact test keeps.
+    Besides at each rule this is checked after ``prune_at`` x B rows. (At B = 150, m = 4000
+    the largest sets have ~1500 rows but a quarter of the points are full rank by 160 rows
+    and half by ~400.) Past ``deadline`` no further chunk of points starts.
     """
     m, B = L.shape
     n_rules, S = lengths.shape
@@ -406,25 +428,45 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     per = max(1, chunk_elems // (max(int(lengths[-1].max()), 1) * B))
     near: list[list[torch.Tensor]] = [[] for _ in range(n_rules)]
     ranks = torch.arange(idx.shape[0], device=idx.device)[:, None]
+    checks = torch.tensor([math.ceil(f * B) for f in prune_at], device=idx.device,
+                          dtype=lengths.dtype)
     for start in range(0, S, per):
         if passed(deadline):
             break
         cols = torch.arange(start, min(start + per, S), device=idx.device)
+        # each point's stages: its rule lengths and the checkpoints below its largest set
+        stops = torch.cat([lengths[:, cols],
+                           torch.minimum(checks[:, None], lengths[-1, cols][None, :])])
+        stops = torch.sort(stops, dim=0).values  # (stages, k)
         gram = torch.zeros(cols.numel(), B, B, dtype=torch.float32, device=L.device)
-        lo = torch.zeros_like(lengths[0, cols])
-        for r in range(n_rules):
-            hi = lengths[r, cols]
+        lo = torch.zeros_like(cols)
+        seen = torch.zeros(n_rules, cols.numel(), dtype=torch.bool, device=idx.device)
+        for stage in range(stops.shape[0]):
+            hi = stops[stage]
             w = int((hi - lo).max())
             if w > 0:
                 offs = lo[None, :] + ranks[:w]  # (w, k)
                 inside = offs < hi[None, :]
                 rows = torch.where(inside, idx[offs.clamp_max(idx.shape[0] - 1), cols[None, :]], m)
                 Lg = padded[rows.T]  # (k, w, B)
-                gram = gram + Lg.transpose(1, 2) @ Lg
+                gram = gram.baddbmm_(Lg.transpose(1, 2), Lg)
             lo = hi
-            sel = _may_have_kernel(gram, hi, zero_rtol, m) & (hi >= B - 1)
-            if bool(sel.any()):
-                near[r].append(cols[sel])
+            for r in range(n_rules):
+                at = (lengths[r, cols] == hi) & ~seen[r]
+                if bool(at.any()):
+                    seen[r] |= at
+                    sel = at & (hi >= B - 1)
+                    if bool(sel.any()):
+                        sel[sel.clone()] = _may_have_kernel(gram[sel], hi[sel], zero_rtol, m)
+                        near[r].append(cols[sel])
+            if stage == stops.shape[0] - 1:
+                break
+            alive = _may_have_kernel(gram, lengths[-1, cols], zero_rtol, m) & ~seen[-1]
+            if not bool(alive.all()):
+                cols, gram, lo = cols[alive], gram[alive], lo[alive]
+                stops, seen = stops[:, alive], seen[:, alive]
+                if cols.numel() == 0:
+                    break
     for r in range(n_rules):
         if not near[r]:
             continue
