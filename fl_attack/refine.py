@@ -247,7 +247,8 @@ def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float
     the screen: their exactly one-dimensional kernels (B, c), from float64 Grams."""
     m = L.shape[0]
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
-    for sub, exact in masked_grams(L, mask, 2**22):
+    chunk = 2**22 if L.device.type == "cpu" else 2**25  # cache-sized on the CPU, see _CPU_BLOCK
+    for sub, exact in masked_grams(L, mask, chunk):
         tol = mask[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
         out.append(_one_dim_kernels(exact, tol))
     return torch.cat(out, dim=1)
