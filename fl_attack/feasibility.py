@@ -31,6 +31,60 @@ FAIL_MARGIN = -1e-2
 ≥ 0 up to the rounding of t = L⁺ g; the mixtures seen were at -0.15 to -0.4."""
 
 
+def max_margin(A: np.ndarray, b: np.ndarray, *, start: int | None = None,
+               grow: int | None = None, tol: float = 1e-9,
+               max_rounds: int = 20) -> float | None:
+    """max δ ≤ 1 over (y, δ) subject to A y + δ ≤ b, or None when the LP solver fails.
+
+    Solved by constraint generation: the LP over the ``start`` rows tightest at y = 0, then
+    again with up to ``grow`` of the rows its solution violates most, until it violates none
+    (by more than ``tol``); then it is the optimum of the whole LP too, since dropping rows can
+    only raise the optimum. The relaxed LPs are always feasible (δ is unbounded below) and
+    bounded (δ ≤ 1). The full LP has one row per neuron (m = 4000) but only a few hundred
+    rows bind near its optimum. After ``max_rounds`` rounds every row is taken.
+    """
+    n, d = A.shape
+    start = 4 * (d + 1) if start is None else start
+    grow = 2 * (d + 1) if grow is None else grow
+    cost = np.zeros(d + 1)
+    cost[-1] = -1.0
+    bounds = [(None, None)] * d + [(None, 1.0)]
+    full = np.concatenate([A, np.ones((n, 1))], axis=1)
+    active = np.zeros(n, dtype=bool)
+    active[np.argsort(b, kind="stable")[:start]] = True
+    for rnd in range(max_rounds + 1):
+        if rnd == max_rounds:
+            active[:] = True
+        res = linprog(cost, A_ub=full[active], b_ub=b[active], bounds=bounds, method="highs")
+        if res.status != 0:
+            return None
+        excess = full @ res.x - b
+        bad = np.flatnonzero((excess > tol) & ~active)
+        if bad.size == 0 or rnd == max_rounds:
+            return float(res.x[-1])
+        active[bad[np.argsort(-excess[bad], kind="stable")[:grow]]] = True
+    return None  # not reached: the last round takes every row
+
+
+def margin_lp(cols: torch.Tensor, j: int, WR: torch.Tensor, bias: torch.Tensor, t: torch.Tensor,
+              zero: torch.Tensor, sure: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """The LP of :func:`pattern_margins` for column ``j`` of ``cols`` as (A, b) of
+    :func:`max_margin`: its pattern ``zero`` (m,) on the rows ``sure`` (m,), in the affine set
+    a = N (v0 + U y) left by the other columns, rows normalised so that δ is a margin. None
+    when the other columns leave no such set."""
+    dual = dual_slice(torch.cat([cols[:, :j], cols[:, j + 1:]], dim=1), t)
+    if dual is None:
+        return None
+    N, v0, U = dual
+    WN = WR @ N
+    A, c0 = (WN @ U)[sure], (WN @ v0 + bias)[sure]
+    sign = torch.where(zero[sure], -1.0, 1.0).to(A.dtype)
+    norm = torch.cat([A, c0[:, None]], dim=1).norm(dim=1).clamp_min(1e-300)
+    # sign_i (A_i y + c0_i) ≥ δ norm_i  ⇔  −sign_i A_i y / norm_i + δ ≤ sign_i c0_i / norm_i
+    return ((-(sign[:, None] * A) / norm[:, None]).cpu().numpy(),
+            (sign * c0 / norm).cpu().numpy())
+
+
 def pattern_margins(
     cols: torch.Tensor, system: LayerSystem, which: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -56,24 +110,8 @@ def pattern_margins(
     sure = ~zero | zero_mask(V, system.zero_rtol * 1e-2)  # the ambiguous band left out
     out = torch.full((len(which),), float("nan"), dtype=torch.float64)
     for n, j in enumerate(which.tolist()):
-        dual = dual_slice(torch.cat([cols[:, :j], cols[:, j + 1:]], dim=1), t)
-        if dual is None:
-            continue
-        N, v0, U = dual  # the affine set: a = N (v0 + U y)
-        WN = WR @ N
-        A, c0 = WN @ U, WN @ v0 + bias
-        rows = sure[:, j]
-        sign = torch.where(zero[rows, j], -1.0, 1.0).to(A.dtype)
-        A, c0 = A[rows], c0[rows]
-        norm = torch.cat([A, c0[:, None]], dim=1).norm(dim=1)
-        # sign_i (A_i y + c0_i) ≥ δ norm_i  ⇔  −sign_i A_i y + δ norm_i ≤ sign_i c0_i
-        A_ub = torch.cat([-(sign[:, None] * A), norm[:, None]], dim=1).cpu().numpy()
-        b_ub = (sign * c0).cpu().numpy()
-        d = A.shape[1]
-        cost = np.zeros(d + 1)
-        cost[-1] = -1.0
-        res = linprog(cost, A_ub=A_ub, b_ub=b_ub, bounds=[(None, None)] * d + [(None, 1.0)],
-                      method="highs")
-        if res.status == 0:
-            out[n] = float(res.x[-1])
+        lp = margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
+        margin = None if lp is None else max_margin(*lp)
+        if margin is not None:
+            out[n] = margin
     return out

@@ -153,6 +153,34 @@ def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
     assert bad == {len(keep), keep.index(i)}, (sorted(bad), margins)
 
 
+def test_constraint_generation_gives_the_full_lp_margin() -> None:
+    """The margins found by constraint generation (``feasibility.max_margin``, a few hundred of
+    the m rows) equal those of the LP over every row, for true columns (margin ≥ 0), the
+    mixture of two similar samples and its partner (margins < 0)."""
+    t = _truth(30, 200, seed=0)
+    system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
+    Qt = t["Qt"] / t["Qt"].norm(dim=0)
+    zero = filtering.zero_mask(t["L"] @ Qt, 1e-4).double()
+    shared = zero.T @ zero
+    shared.fill_diagonal_(0)
+    i, j = divmod(int(shared.argmax()), 30)
+    keep = [c for c in range(30) if c != j][:20]
+    mix = (Qt[:, i] + Qt[:, j]) / (Qt[:, i] + Qt[:, j]).norm()
+    cols = torch.cat([Qt[:, keep], mix[:, None]], dim=1)
+    V = t["L"] @ cols
+    zmask = filtering.zero_mask(V, 1e-4)
+    sure = ~zmask | filtering.zero_mask(V, 1e-6)
+    got, full = [], []
+    for c in range(cols.shape[1]):
+        A, b = feasibility.margin_lp(cols, c, system.WR, system.bias, system.t, zmask[:, c],
+                                     sure[:, c])
+        got.append(feasibility.max_margin(A, b))
+        full.append(feasibility.max_margin(A, b, start=A.shape[0]))  # one LP, every row
+    got, full = torch.tensor(got), torch.tensor(full)
+    assert float((got - full).abs().max()) < 1e-7, (got, full)
+    assert float(full.min()) < feasibility.FAIL_MARGIN < float(full.max())  # both kinds present
+
+
 def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
     """Directions a few degrees off the true columns (what ℓ1 returns when a similar sample
     pulls it off) are driven to the exact columns by reweighted least squares, and the
