@@ -66,8 +66,8 @@ def max_margin(A: np.ndarray, b: np.ndarray, *, start: int | None = None,
     return None  # not reached: the last round takes every row
 
 
-def margin_lp(cols: torch.Tensor, j: int, WR: torch.Tensor, bias: torch.Tensor, t: torch.Tensor,
-              zero: torch.Tensor, sure: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def _margin_lp(cols: torch.Tensor, j: int, WR: torch.Tensor, bias: torch.Tensor, t: torch.Tensor,
+               zero: torch.Tensor, sure: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """The LP of :func:`pattern_margins` for column ``j`` of ``cols`` as (A, b) of
     :func:`max_margin`: its pattern ``zero`` (m,) on the rows ``sure`` (m,), in the affine set
     a = N (v0 + U y) left by the other columns, rows normalised so that δ is a margin. None
@@ -110,7 +110,7 @@ def pattern_margins(
     sure = ~zero | zero_mask(V, system.zero_rtol * 1e-2)  # the ambiguous band left out
     out = torch.full((len(which),), float("nan"), dtype=torch.float64)
     for n, j in enumerate(which.tolist()):
-        lp = margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
+        lp = _margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
         margin = None if lp is None else max_margin(*lp)
         if margin is not None:
             out[n] = margin
