@@ -16,7 +16,7 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.filtering import dedupe, zero_mask
-from fl_attack.polish import masked_grams, plus_diagonal, smallest_ritz_pairs
+from fl_attack.polish import default_chunk, masked_grams, plus_diagonal, smallest_ritz_pairs
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -247,8 +247,7 @@ def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float
     the screen: their exactly one-dimensional kernels (B, c), from float64 Grams."""
     m = L.shape[0]
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
-    chunk = 2**22 if L.device.type == "cpu" else 2**25  # cache-sized on the CPU, see _CPU_BLOCK
-    for sub, exact in masked_grams(L, mask, chunk):
+    for sub, exact in masked_grams(L, mask, default_chunk(L.device)):
         tol = mask[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
         out.append(_one_dim_kernels(exact, tol))
     return torch.cat(out, dim=1)
