@@ -18,6 +18,8 @@ feasible (tested in tests/test_steps.py).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from scipy.optimize import linprog
@@ -96,6 +98,10 @@ def pattern_margins(
     at 1 (an unbounded cell). Negative: no input has this pattern, the column is not a sample's.
     Entries of ∂L/∂Z within 100x of the zero test are left out (they may be either).
     NaN where the LP solver failed. Needs ``weight`` and ``bias`` (``system.WR``).
+    The LPs are built here in groups and solved on ``torch.get_num_threads()`` threads (the
+    solver releases the GIL). Torch work stays on this thread: building the LPs in the worker
+    threads as well made the attack's later steps slower (slice sampling +10-17 s per batch
+    at B = 150, m = 4000 on 2 cores).
     """
     if system.WR is None or system.bias is None:
         raise ValueError("pattern_margins needs the layer's weight and bias")
@@ -108,10 +114,18 @@ def pattern_margins(
     V = system.L @ cols
     zero = zero_mask(V, system.zero_rtol)
     sure = ~zero | zero_mask(V, system.zero_rtol * 1e-2)  # the ambiguous band left out
+
     out = torch.full((len(which),), float("nan"), dtype=torch.float64)
-    for n, j in enumerate(which.tolist()):
-        lp = _margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
-        margin = None if lp is None else max_margin(*lp)
-        if margin is not None:
-            out[n] = margin
+    todo = which.tolist()
+    workers = max(1, torch.get_num_threads())
+    step = 8 * workers  # LPs built at a time: ≤ 8 x workers x m x 65 floats in memory
+    with ThreadPoolExecutor(workers) as pool:
+        for lo in range(0, len(todo), step):
+            lps = [_margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
+                   for j in todo[lo:lo + step]]
+            jobs = [None if lp is None else pool.submit(max_margin, *lp) for lp in lps]
+            for n, job in enumerate(jobs, start=lo):
+                value = None if job is None else job.result()
+                if value is not None:
+                    out[n] = value
     return out
