@@ -118,7 +118,7 @@ def pattern_margins(
     out = torch.full((len(which),), float("nan"), dtype=torch.float64)
     todo = which.tolist()
     workers = max(1, torch.get_num_threads())
-    step = 8 * workers  # LPs built at a time: ≤ 8 x workers x m x 65 floats in memory
+    step = 8 * workers  # LPs held at a time, each m x (missing + 1) floats
     with ThreadPoolExecutor(workers) as pool:
         for lo in range(0, len(todo), step):
             lps = [_margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])

@@ -217,7 +217,8 @@ def max_leverage(L: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor,
     zero row is redundant. True columns have all leverages well below 1.
     """
     out = torch.empty(Q.shape[1], dtype=L.dtype, device=L.device)
-    for cols, Lg in gathered_rows(L, mask, chunk_elems or default_chunk(L.device)):  # (k, w, B)
+    chunks = gathered_rows(L, mask, chunk_elems or default_chunk(L.device))
+    for cols, Lg in chunks:  # (k, w, B), zero rows padded
         q = Q[:, cols].T  # (k, B)
         gram = Lg.transpose(1, 2) @ Lg + q[:, :, None] * q[:, None, :]  # definite unless singular
         chol, info = torch.linalg.cholesky_ex(gram)  # leverage lᵀ (C Cᵀ)⁻¹ l = |C⁻¹ l|²
