@@ -32,19 +32,21 @@ RESULTS = Path(__file__).parent / "results" / "core.md"
 
 
 def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float | None,
-                options: dict | None = None, first: int = 0) -> dict:
+                options: dict | None = None, first: int = 0, next_layer: bool = False) -> dict:
     """Invert ``batches`` real batches at (B, m), seeds ``first`` onwards; returns the table
-    row's numbers."""
+    row's numbers. ``next_layer`` also passes the second layer's gradient (``fl_attack.peel``)."""
     psnrs, secs, exact = [], [], 0
     for seed in range(first, first + batches):
         x, y = data.sample_batch(dataset, B, seed=seed)
         xn = data.normalize(x, dataset)
         model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
         G, g = models.first_layer_gradients(model, xn, y)
+        G2 = models.layer_gradients(model, xn, y, 1)[0] if next_layer else None
         lin = models.linear_layers(model)[0]
         t0 = time.perf_counter()
         rec = fl_attack.invert(G, g, weight=lin.weight.detach(), bias=lin.bias.detach(),
-                               seed=seed, max_seconds=max_seconds, **(options or {}))
+                               seed=seed, max_seconds=max_seconds, next_weight_grad=G2,
+                               **(options or {}))
         secs.append(time.perf_counter() - t0)
         images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), dataset)
         score = metrics.score_batch(images, x)
@@ -52,7 +54,8 @@ def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float |
         exact += int(rec.exact)
         print(f"  B={B} m={m} batch {seed}: PSNR {score.mean_psnr:6.1f}  λ={rec.sparsity_match:.4f}"
               f"  found {rec.n_directions}/{rec.batch_size}  {secs[-1]:.1f}s"
-              + (f"  ({rec.chance_zeros} chance zeros)" if rec.chance_zeros else ""), flush=True)
+              + (f"  ({rec.chance_zeros} chance zeros)" if rec.chance_zeros else "")
+              + (f"  (peeled {rec.peeled})" if next_layer else ""), flush=True)
     return {
         "acc": metrics.batch_accuracy(psnrs, 90.0), "psnr": statistics.mean(psnrs),
         "certified": 100.0 * exact / batches, "median_s": statistics.median(secs),
@@ -68,6 +71,9 @@ def main() -> None:
                         help="seed of the first batch (to extend an earlier run with new batches)")
     parser.add_argument("--dataset", default="photos32")
     parser.add_argument("--max-seconds", type=float, default=None)
+    parser.add_argument("--next-layer", action="store_true",
+                        help="also give the attack the second layer's weight gradient "
+                             "(next_weight_grad: verified samples are peeled off)")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="an AttackConfig option passed to every invert call, e.g. "
                              "slice_first=True (repeatable; recorded in the section header)")
@@ -88,7 +94,8 @@ def main() -> None:
     header = (f"\n## {dt.date.today().isoformat()} — {platform.node()}, {cpu}, "
               f"device {device}, dataset {args.dataset}, max_seconds {args.max_seconds}"
               f"{f', batches from seed {args.first_batch}' if args.first_batch else ''}"
-              f"{', options ' + repr(options) if options else ''}\n\n"
+              f"{', options ' + repr(options) if options else ''}"
+              f"{', next layer (next_weight_grad)' if args.next_layer else ''}\n\n"
               "| B | m | batches | acc % (>90 dB) | certified % (λ=1) | mean PSNR | median s/batch | "
               "peak RSS MiB (process) | paper acc % / PSNR |\n|---|---|---|---|---|---|---|---|---|\n")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +108,7 @@ def main() -> None:
     for item in args.settings.split(","):
         B, m = (int(v) for v in item.split("x"))
         res = run_setting(B, m, args.batches, args.dataset, args.max_seconds, options,
-                          first=args.first_batch)
+                          first=args.first_batch, next_layer=args.next_layer)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         paper = PAPER.get((B, m), (float("nan"), float("nan")))
         row = (f"| {B} | {m} | {res['batches']} | {res['acc']:.0f} | {res['certified']:.0f} | "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import feasibility, filtering, polish, refine, sampling, search, select
+from fl_attack import feasibility, filtering, peel, polish, refine, sampling, search, select
 from fl_attack.clock import passed
 from fl_attack.config import FEDAVG_TAU, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
@@ -55,6 +57,9 @@ class Reconstruction:
     """Entries counted as matches in λ although the paper's λ₊ term counts them as mismatches:
     an active unit whose ∂L/∂Z passed the zero test (its ∂L/∂A is that small; the ReLU law
     allows it). 0 when λ < 1."""
+    peeled: int = 0
+    """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
+    and taken off the gradient before the rest of the batch was searched (``fl_attack.peel``)."""
 
     @property
     def partial(self) -> bool:
@@ -76,6 +81,7 @@ class Reconstruction:
             "swaps": self.swaps,
             "noise_std": self.noise_std,
             "chance_zeros": self.chance_zeros,
+            "peeled": self.peeled,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
         }
 
@@ -90,6 +96,7 @@ def invert(
     seed: int = 0,
     device: str | torch.device | None = None,
     config: AttackConfig | None = None,
+    next_weight_grad: torch.Tensor | np.ndarray | None = None,
     **options: Any,
 ) -> Reconstruction:
     """Recover the batch that produced a linear layer's gradient (SPEAR / SPEAR++).
@@ -99,6 +106,12 @@ def invert(
     ``bias`` (the layer's parameters the client started from) enable the sparsity-matching
     certificate λ and the greedy selection; without them the result is never marked exact.
     Options are the fields of :class:`AttackConfig` (unknown names raise ``TypeError``).
+
+    ``next_weight_grad`` (k, m), the weight gradient of the linear layer that this layer's ReLU
+    feeds (same batch, same step), lets found samples be recovered and verified one by one and
+    taken off the gradient, so the rest is searched as a smaller batch (``fl_attack.peel``;
+    beyond the papers, which use one layer). Needs ``weight`` and ``bias``; clean FedSGD
+    gradients only (not ``update="fedavg"``; ignored when noise is detected).
     """
     start = time.perf_counter()
     cfg = AttackConfig.from_options(config, method=method, **options)
@@ -109,6 +122,10 @@ def invert(
     W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
     b = as_tensor(bias, "bias", ndim=1, device=dev) if bias is not None else None
     check_layer(G, g, W, b)
+    G2 = None
+    if next_weight_grad is not None:
+        G2 = as_tensor(next_weight_grad, "next_weight_grad", ndim=2, device=dev)
+        _check_next_layer(G, G2, W, cfg)
     if cfg.sparse != "output":  # SPEC §8: the layer's inputs are the sparse factor (input_layer)
         from fl_attack import input_layer
 
@@ -116,22 +133,13 @@ def invert(
         return side(G, g, W, b, cfg=cfg, precision=precision, seed=seed, device=dev, start=start)
     generator = torch.Generator().manual_seed(seed)
     timings: dict[str, float] = {}
-
-    t0 = time.perf_counter()
-    floor = 1e-6 if precision == torch.float32 else 1e-13
-    dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
-    timings["decompose"] = time.perf_counter() - t0
-    zero_rtol, z_band = tolerances(dec, cfg, precision)
-    system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band,
-                         subset=cfg.update == "fedavg")
-    run = _Search(cfg, dec, system, generator, dev, timings, start)
-    if dec.batch_size == 1:  # one sample: G = d xᵀ, nothing to disentangle
-        Q = torch.ones(1, 1, dtype=torch.float64, device=dev)
-        n_found = 1
+    found = _solve(G, g, W, b, cfg, precision, generator, dev, start, timings, G2)
+    run, system = found.run, found.system
+    if found.peeled:  # the columns of every level, in this level's coordinates
+        Q = filtering.normalize_columns(found.dec.L.T @ found.columns)
         run.match = select.sparsity_match(Q, system)
     else:
-        Q, n_found = run.find()
-
+        Q = found.Q
     t0 = time.perf_counter()
     X, s = reconstruct(Q, system)
     timings["reconstruct"] = time.perf_counter() - t0
@@ -139,24 +147,136 @@ def invert(
     col = None
     if run.match is not None:
         col = (run.match.per_column.double() / G.shape[0]).cpu()
+    B = found.dec.batch_size
     return Reconstruction(
         inputs=X.cpu(),
-        batch_size=dec.batch_size,
+        batch_size=B,
         sparsity_match=lam,
-        exact=lam is not None and lam >= 1.0 and n_found == dec.batch_size and not run.noisy,
-        n_directions=n_found,
+        exact=(lam is not None and lam >= 1.0 and found.n_found == B
+               and not found.noisy),
+        n_directions=found.n_found,
         method=cfg.method,
         seconds=time.perf_counter() - start,
         timings=timings,
-        rounds=run.rounds,
-        n_candidates=run.n_candidates,
-        swaps=run.swaps,
-        noise_std=dec.noise_std,
+        rounds=found.rounds,
+        n_candidates=found.n_candidates,
+        swaps=found.swaps,
+        noise_std=found.dec.noise_std,
         scales=s.cpu(),
         column_match=col,
         config=cfg,
         chance_zeros=run.match.chance_zeros if run.match is not None else 0,
+        peeled=found.peeled,
     )
+
+
+def _check_next_layer(G: torch.Tensor, G2: torch.Tensor, W: torch.Tensor | None,
+                      cfg: AttackConfig) -> None:
+    """Errors for a ``next_weight_grad`` that cannot belong to this layer or this attack."""
+    if G2.shape[1] != G.shape[0]:
+        raise ValueError(f"next_weight_grad has shape {tuple(G2.shape)}: the next layer takes "
+                         f"this layer's {G.shape[0]} outputs, so it must be (k, {G.shape[0]})")
+    if W is None:
+        raise ValueError("next_weight_grad needs weight and bias (the samples are solved from "
+                         "W x + b)")
+    if cfg.sparse != "output":
+        raise ValueError(f"next_weight_grad applies to sparse='output' only, got {cfg.sparse!r}")
+    if cfg.update == "fedavg":
+        raise ValueError("next_weight_grad needs a single-step gradient: a FedAvg update's "
+                         "next layer mixes each sample's activations from several steps")
+    if not G2.abs().max() > 0:
+        raise ValueError("next_weight_grad is identically zero")
+
+
+@dataclass
+class _Found:
+    """The columns of one level of the search, with the levels peeled below it."""
+
+    dec: Decomposition
+    system: LayerSystem
+    run: _Search
+    Q: torch.Tensor
+    """(B, B) this level's selected columns (without peeling)."""
+    n_found: int
+    columns: torch.Tensor | None = None
+    """(m, B) every level's columns as ∂L/∂Z directions, when samples were peeled."""
+    peeled: int = 0
+    rounds: int = 0
+    n_candidates: int = 0
+    swaps: int = 0
+    noisy: bool = False
+
+
+def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Tensor | None,
+           cfg: AttackConfig, precision: torch.dtype, generator: torch.Generator,
+           device: torch.device, start: float, timings: dict[str, float],
+           G2: torch.Tensor | None, rows2: torch.Tensor | None = None,
+           dec: Decomposition | None = None) -> _Found:
+    """Search the columns of (G, g); with the next layer, peel the verified samples off and
+    solve the smaller batch that is left the same way (recursively)."""
+    t0 = time.perf_counter()
+    floor = 1e-6 if precision == torch.float32 else 1e-13
+    if dec is None:
+        dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
+                        floor_rtol=floor)
+    timings["decompose"] = timings.get("decompose", 0.0) + time.perf_counter() - t0
+    zero_rtol, z_band = tolerances(dec, cfg, precision)
+    system = make_system(dec.L, dec.R, g, W, b, zero_rtol, z_band,
+                         subset=cfg.update == "fedavg")
+    run = _Search(cfg, dec, system, generator, device, timings, start)
+    B = dec.batch_size
+    if G2 is not None and rows2 is None and not run.noisy and B > 1:
+        t0 = time.perf_counter()
+        rows2 = peel.next_layer_rows(G2, B, floor)
+        timings["peel"] = timings.get("peel", 0.0) + time.perf_counter() - t0
+        if rows2 is None:
+            warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
+                          "are not peeled", stacklevel=3)
+    if rows2 is not None and not run.noisy:
+        run.peeler = lambda cols: peel.recover(
+            cols, dec.L, dec.R, rows2, system.WR, system.bias, zero_rtol=zero_rtol,
+            z_band=z_band, precision=precision)
+    if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
+        Q = torch.ones(1, 1, dtype=torch.float64, device=device)
+        run.match = select.sparsity_match(Q, system)
+        return _Found(dec, system, run, Q, 1, noisy=run.noisy)
+    while True:
+        Q, n_found = run.find()
+        here = _Found(dec, system, run, Q, n_found, rounds=run.rounds,
+                      n_candidates=run.n_candidates, swaps=run.swaps, noisy=run.noisy)
+        peeled, run.peeled = run.peeled, None
+        if peeled is None:
+            return here
+        t0 = time.perf_counter()
+        F = int(peeled.verified.sum())
+        Gr, gr = peel.peel_off(G, g, dec.L, peeled)
+        sub_dec = None
+        if F < B:
+            sub_dec = decompose(Gr, rank_margin=cfg.rank_margin, floor_rtol=floor)
+        timings["peel"] = timings.get("peel", 0.0) + time.perf_counter() - t0
+        if sub_dec is not None and sub_dec.batch_size != B - F:
+            warnings.warn(f"peeling {F} samples left rank {sub_dec.batch_size}, not {B - F}: "
+                          "the search goes on without peeling", stacklevel=3)
+            run.peeler = None
+            continue
+        if cfg.progress:
+            print(f"[fl_attack] peeled {F} verified samples through the next layer: "
+                  f"{B - F} left", flush=True)
+        cols = dec.L @ peeled.columns
+        here.columns, here.peeled, here.n_found = cols, F, F
+        if sub_dec is None:
+            return here
+        sub_cfg = cfg if cfg.batch_size is None else dataclasses.replace(cfg, batch_size=B - F)
+        sub = _solve(Gr, gr, W, b, sub_cfg, precision, generator, device, start, timings, G2,
+                     rows2=rows2, dec=sub_dec)
+        sub_cols = sub.columns if sub.columns is not None else sub.dec.L @ sub.Q
+        here.columns = torch.cat([cols, sub_cols], dim=1)
+        here.peeled += sub.peeled
+        here.n_found += sub.n_found
+        here.rounds += sub.rounds
+        here.n_candidates += sub.n_candidates
+        here.swaps += sub.swaps
+        return here
 
 
 def tolerances(dec: Decomposition, cfg: AttackConfig,
@@ -207,6 +327,13 @@ draws new points, and its yield is random: at B = 210, m = 4000, once ~70 column
 calls of 2048 points add 1-7 columns and some none; a call there costs ~15 s on 2 cores, a
 search round in the complement ~330 s (of which IRLS 220 s) and that round added none."""
 
+PEEL_SHARE = 0.5
+"""With a next layer, samples are peeled off during the completions once this share of B new
+trusted columns is there, otherwise after them. Peeling right after a round's search is too
+early at B = 210, m = 4000: that search alone gives ~8 columns, the completions (slice sampling)
+~120, and every peel costs a new search round on the smaller batch (measured: peeling 6 after
+the search left 204 for a round that found 9)."""
+
 POLISH_CHUNK = 256
 """Directions polished at once under a time budget (``AttackConfig.max_seconds``): ~4 s at
 B = 210, m = 4000 on 2 cores, where polishing a first round's ~4000 minima took 150 s."""
@@ -250,6 +377,11 @@ class _Search:
         """Columns believed right so far; later rounds search their complement."""
         self.verdicts: dict[bytes, tuple[bool, int]] = {}
         """Feasibility of a column's zero pattern -> (feasible, missing columns when checked)."""
+        self.peeler: Callable[[torch.Tensor], peel.Peeled] | None = None
+        """Recovers and verifies the samples of found columns (``fl_attack.peel``), if given."""
+        self.peeled: peel.Peeled | None = None
+        """Set when ``find`` stopped to let verified samples be peeled off."""
+        self.peel_tried: set[bytes] = set()
 
     def _objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The loss of the SPEAR++ search; None: the configured sparsity loss φ."""
@@ -527,10 +659,16 @@ class _Search:
     def _completions(self, Q: torch.Tensor, count: int,
                      done: bool) -> tuple[torch.Tensor, int, bool]:
         """Complete from the trusted columns while each completion may enable the next; the
-        selection state (``_done``'s result) after the last one."""
+        selection state (``_done``'s result) after the last one. With a peeler, the trusted
+        columns' samples are then peeled off (``self.peeled``), or earlier, once half a batch
+        of new trusted columns is there (:data:`PEEL_SHARE`)."""
         while (not done and self.trusted is not None and not self._out_of_time()
                and self._complete(self.trusted)):
             Q, count, done = self._done()
+            if not done and self._peel(min_new=max(1, int(PEEL_SHARE * self.B))):
+                return Q, count, done
+        if not done:
+            self._peel()
         return Q, count, done
 
     def find(self) -> tuple[torch.Tensor, int]:
@@ -543,12 +681,14 @@ class _Search:
         if not spear and self.cfg.slice_first:
             # complete from nothing (the empty pool selects no column): the slice of all B
             # samples (refine.sample_missing)
-            _, count, done = self._completions(*self._done())
+            Q, count, done = self._completions(*self._done())
             if self.cfg.progress:
                 print(f"[fl_attack] slice sampling before the search: {count}/{self.B} "
                       f"directions", flush=True)
             if done:
                 return self._finish()
+            if self.peeled is not None:
+                return Q, count
         for _ in range(max_rounds):
             self.rounds += 1
             if spear:
@@ -564,6 +704,8 @@ class _Search:
             # a full basis whose pool no round changes any more: λ < 1 is final (λ forgives a
             # few chance zeros at active units, select.sparsity_match, but not every true basis
             # reaches 1: e.g. a sample with a tiny loss gradient has a column at the noise level)
+            if self.peeled is not None:
+                return Q, count
             state = (self.n_candidates, count, self.match.value if self.match else None)
             stale, last = (stale + 1 if state == last else 0), state
             if (done or self._out_of_time() or (spear and self.samples >= self.cfg.max_samples)
@@ -578,6 +720,25 @@ class _Search:
                 self._split_faces(seeds, self._n_rows())
                 self._tick("neighbours", t0)
         return self._finish()
+
+    def _peel(self, min_new: int = 1) -> bool:
+        """Recover the trusted columns' samples not tried yet (when at least ``min_new``);
+        True when some were verified (``self.peeled``), so that the caller peels them off."""
+        if self.peeler is None or self.trusted is None or self._out_of_time():
+            return False
+        zero = filtering.zero_mask(self.dec.L @ self.trusted, self.system.zero_rtol).cpu()
+        keys = [zero[:, j].numpy().tobytes() for j in range(zero.shape[1])]
+        todo = [j for j, key in enumerate(keys) if key not in self.peel_tried]
+        if len(todo) < min_new:
+            return False
+        t0 = time.perf_counter()
+        self.peel_tried.update(keys[j] for j in todo)
+        peeled = self.peeler(self.trusted[:, todo])
+        self._tick("peel", t0)
+        if not bool(peeled.verified.any()):
+            return False
+        self.peeled = peeled
+        return True
 
     def _finish(self) -> tuple[torch.Tensor, int]:
         """Final selection (stage 2 swaps), and the repair of 1-3 mismatching columns."""

@@ -101,6 +101,10 @@ class AttackSettings:
         options: further ``fl_attack.AttackConfig`` fields (e.g. ``{"steps": 200}``).
         weight_key / bias_key: the attacked layer; default the first linear layer.
         startup_timeout: seconds allowed for the worker process to start (import torch).
+        next_layer: also pass the next linear layer's update (the one this layer's ReLU feeds)
+            as ``next_weight_grad``, so verified samples are peeled off and the rest is searched
+            as a smaller batch (``fl_attack.peel``). Skipped for ``update="fedavg"``, for
+            ``sparse`` other than ``"output"`` and when the model has no such layer.
     """
 
     method: str = "spear++"
@@ -112,6 +116,12 @@ class AttackSettings:
     weight_key: str | None = None
     bias_key: str | None = None
     startup_timeout: float = 300.0
+    next_layer: bool = True
+
+    def uses_next_layer(self) -> bool:
+        """Whether the options allow peeling with the next layer's update."""
+        return (self.next_layer and self.options.get("update", "gradient") != "fedavg"
+                and self.options.get("sparse", "output") == "output")
 
     def invert_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`run_inversion` (besides the arrays)."""
@@ -128,6 +138,7 @@ def run_inversion(
     bias_grad: np.ndarray,
     weight: np.ndarray,
     bias: np.ndarray,
+    next_weight_grad: np.ndarray | None = None,
     *,
     method: str,
     seed: int,
@@ -144,6 +155,7 @@ def run_inversion(
     rec = invert(
         torch.as_tensor(weight_grad), torch.as_tensor(bias_grad),
         weight=torch.as_tensor(weight), bias=torch.as_tensor(bias),
+        next_weight_grad=None if next_weight_grad is None else torch.as_tensor(next_weight_grad),
         method=method, seed=seed, device=device, **dict(options),
     )
     lam = rec.sparsity_match
@@ -310,6 +322,22 @@ class GroundTruth:
 
 
 # --------------------------------------------------------------------------- reply checks
+
+
+def _next_layer_update(global_state: dict[str, np.ndarray], new_state: dict[str, np.ndarray],
+                       weight_key: str | None, outputs: int) -> np.ndarray | None:
+    """``W0 - W_E`` of the linear layer after the attacked one, if it takes its ``outputs``."""
+    from fl_attack.updates import layer_keys, weight_update_pair
+
+    keys = [w for w, _ in layer_keys(global_state)]
+    at = keys.index(weight_key) if weight_key in keys else 0 if weight_key is None else -1
+    if at < 0 or at + 1 >= len(keys):
+        return None
+    try:
+        dw2, *_ = weight_update_pair(global_state, new_state, weight_key=keys[at + 1])
+    except ValueError:
+        return None
+    return dw2.numpy() if dw2.shape[1] == outputs else None
 
 
 def _weight_of(metrics: MetricRecord, key: str) -> float | None:
@@ -619,6 +647,10 @@ class AuditingStrategy(Strategy):
         # float64 as weight_update_pair returns it (the difference of the float32 weights is
         # exact in float64); the attack estimates the weights' rounding noise itself.
         arrays = tuple(t.numpy() for t in (dw, db, w0, b0))
+        if self.attack.uses_next_layer():
+            dw2 = _next_layer_update(g_state, n_state, self.attack.weight_key, dw.shape[0])
+            if dw2 is not None:
+                arrays = (*arrays, dw2)
         kwargs = self.attack.invert_kwargs()
         log(INFO, "[audit] %s: attacking %s layer update %s with %s ...", who,
             self.attack.weight_key or "first", tuple(dw.shape), self.attack.method)

@@ -50,6 +50,7 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "attack-timeout": 600.0,
     "attack-device": "auto",
     "attack-seed": 0,
+    "attack-next-layer": True,
     "output-dir": "runs",
     "run-name": "",
     "audit-enabled": True,
@@ -93,6 +94,7 @@ def attack_settings(cfg: Mapping[str, Any]) -> AttackSettings:
         device=None if device in ("", "auto") else device,
         seed=int(cfg["attack-seed"]),
         options=options,
+        next_layer=bool(cfg["attack-next-layer"]),
     )
 
 

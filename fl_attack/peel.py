@@ -1,0 +1,154 @@
+"""Step 4b (beyond the papers): peel found samples off the gradient with the next layer's.
+
+A sample's ReLU pattern sits on both sides of the ReLU that follows the attacked layer: its
+column of ∂L/∂Z vanishes on the sample's inactive units, and so does its activation
+h = ReLU(W x + b), which the next linear layer's weight gradient G₂ = Σ_j δ_j h_jᵀ holds in its
+row space. So the zero rows of a column the search found pick h out of that row space (a
+kernel), and on the active units h is W x + b up to a scale: a linear system that gives the
+sample x itself, exactly, without the other columns (which ``scale.reconstruct`` needs). Its
+pattern must then agree with the column's zeros, a per-sample certificate. With x and the
+column's scale known, the sample's term g_k x_kᵀ comes off the gradient, leaving the same layer
+with a smaller batch: at B = 210, m = 4000 (where the single-layer search stalls at ~130 of 210
+columns) peeling 76 verified samples left a (134, 4000) problem that the search solved exactly
+in one round (measured on a real batch, experiments/results/core.md, session 16).
+
+The honest-but-curious server has every layer's gradient, so this is the same threat model as
+SPEAR(++); the papers use the attacked layer alone. Clean single-step gradients only: a FedAvg
+sum or DP noise breaks the exact kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.decompose import decompose
+
+KERNEL_RTOL = {torch.float32: 1e-7, torch.float64: 1e-12}
+"""Largest σ_min/σ_max of the next layer's rows on a column's zero rows that counts as a kernel.
+Measured at B = 210, m = 4000 (float32 gradients): true columns 1.2e-9 to 2.1e-9, zero sets
+with one or more active units in them 4e-6 and above."""
+
+TRIM_ROUNDS = 12
+"""Times the zero rows are trimmed when they have no kernel: a column's zero test also passes
+active units whose ∂L/∂Z is tiny (chance zeros, ~0.6 per column at m = 4000, 1e-4 tolerance),
+and one such row removes the kernel. Each round drops the rows where the nearest vector is
+large; 1-7 rounds sufficed for every true column measured."""
+
+TRIM_LEVEL = 0.3
+"""A zero row is trimmed when the nearest vector's entry there exceeds this fraction of its
+largest entry over the zero rows."""
+
+RESIDUAL_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+"""Largest relative residual of the active units' system W x + b = t h that verifies a sample."""
+
+MAX_CHANCE_ZEROS = 0.002
+"""Share of the m units that may be zero in the column although the recovered sample keeps them
+active (chance zeros: ∂L/∂Z tiny at an active unit); more and the column is not verified."""
+
+
+@dataclass
+class Peeled:
+    """Samples recovered from found columns with the next layer's gradient."""
+
+    inputs: torch.Tensor
+    """(F, n) the verified samples' inputs x_k."""
+    coords: torch.Tensor
+    """(F, B) their coordinates c_k in R's rows: x_kᵀ = c_kᵀ R."""
+    columns: torch.Tensor
+    """(B, F) their columns of ∂L/∂Z in L's coordinates, at the true scale (c_k · a_k = 1)."""
+    verified: torch.Tensor
+    """(K,) bool over the columns tried: which gave a verified sample."""
+
+
+def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int,
+                    floor_rtol: float) -> torch.Tensor | None:
+    """(B, m) orthonormal basis of the next layer's activations' span, or None when the next
+    layer's gradient does not have rank B (a sample with a zero loss gradient there, or two
+    with the same activations: then no kernel is trustworthy)."""
+    dec = decompose(next_weight_grad, floor_rtol=floor_rtol)
+    if dec.batch_size != batch_size:
+        return None
+    R2 = dec.R
+    return torch.linalg.qr(R2.T).Q.T  # the row space, orthonormal
+
+
+def _kernel(rows2: torch.Tensor, zero: torch.Tensor, tol: float
+            ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Basis (m, r) of the vectors in ``rows2``'s span that vanish on ``zero`` (trimmed of
+    chance zeros), and the zero rows kept; None when there is none."""
+    zero = zero.clone()
+    for _ in range(TRIM_ROUNDS + 1):
+        if int(zero.sum()) < rows2.shape[0]:
+            return None, zero
+        _, sv, Vh = torch.linalg.svd(rows2[:, zero].T, full_matrices=False)
+        r = int((sv <= tol * sv[0]).sum())
+        if r:
+            return rows2.T @ Vh[-r:].T, zero
+        h = rows2.T @ Vh[-1]
+        hz = h[zero].abs()
+        zero &= ~(h.abs() > TRIM_LEVEL * hz.max())
+    return None, zero
+
+
+def recover(
+    columns: torch.Tensor,
+    L: torch.Tensor,
+    R: torch.Tensor,
+    rows2: torch.Tensor,
+    WR: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    zero_rtol: float,
+    z_band: float,
+    precision: torch.dtype,
+) -> Peeled:
+    """The samples behind ``columns`` (B, K), each verified on its own.
+
+    ``WR`` = W Rᵀ (``LayerSystem.WR``). A sample is verified when its zero rows (less at most
+    :data:`MAX_CHANCE_ZEROS` x m chance zeros) have a kernel in the next layer's rows, the
+    active units' system W x + b = t h holds to :data:`RESIDUAL_RTOL`, every unit the kernel
+    vector leaves at zero is inactive, and every inactive unit is a zero row of the column.
+    """
+    m, B = L.shape
+    tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]
+    V = L @ columns
+    coords, kept = [], []
+    for k in range(V.shape[1]):
+        v = V[:, k]
+        zero0 = v.abs() <= zero_rtol * v.abs().max()
+        H, zero = _kernel(rows2, zero0, tol)
+        if H is None or int((zero0 & ~zero).sum()) > MAX_CHANCE_ZEROS * m:
+            continue
+        active = ~zero
+        if H.shape[1] == 1:  # the activation itself: its support is the active set
+            active = H[:, 0].abs() > 1e-5 * H[:, 0].abs().max()
+        A = torch.cat([WR[active], -H[active]], dim=1)
+        sol = torch.linalg.lstsq(A, -bias[active, None]).solution[:, 0]
+        resid = float((A @ sol + bias[active]).norm() / bias[active].norm().clamp_min(1e-300))
+        c = sol[:B]
+        z = WR @ c + bias
+        band = z_band * float(z.abs().max())
+        inactive = z < -band
+        if (resid > res_tol or bool((z[~active] > band).any())
+                or bool((inactive & ~zero0).any())):
+            continue
+        coords.append(c)
+        kept.append(k)
+    verified = torch.zeros(V.shape[1], dtype=torch.bool, device=L.device)
+    if not kept:
+        empty = torch.empty(0, B, dtype=L.dtype, device=L.device)
+        return Peeled(inputs=empty @ R, coords=empty, columns=empty.T, verified=verified)
+    verified[kept] = True
+    C = torch.stack(coords)
+    cols = columns[:, kept]
+    cols = cols / (C * cols.T).sum(dim=1)  # the scale with c_k · a_k = 1
+    return Peeled(inputs=C @ R, coords=C, columns=cols, verified=verified)
+
+
+def peel_off(weight_grad: torch.Tensor, bias_grad: torch.Tensor, L: torch.Tensor,
+             peeled: Peeled) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient (G, g) of the batch without the peeled samples: G - Σ g_k x_kᵀ, g - Σ g_k."""
+    Gk = L @ peeled.columns  # (m, F) the samples' ∂L/∂Z columns at their true scale
+    return weight_grad - Gk @ peeled.inputs, bias_grad - Gk.sum(dim=1)
