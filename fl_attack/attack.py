@@ -227,7 +227,7 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
     B = dec.batch_size
     if G2 is not None and rows2 is None and not run.noisy and B > 1:
         t0 = time.perf_counter()
-        rows2 = peel.next_layer_rows(G2, B, floor)
+        rows2 = peel.next_layer_rows(G2, B, floor, generator)
         timings["peel"] = timings.get("peel", 0.0) + time.perf_counter() - t0
         if rows2 is None:
             warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
@@ -250,18 +250,16 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
         t0 = time.perf_counter()
         F = int(peeled.verified.sum())
         Gr, gr = peel.peel_off(G, g, dec.L, peeled)
-        sub_dec = None
-        if F < B:
-            sub_dec = decompose(Gr, rank_margin=cfg.rank_margin, floor_rtol=floor)
+        sub_dec = peel.reduced(dec, peeled) if F < B else None
         timings["peel"] = timings.get("peel", 0.0) + time.perf_counter() - t0
-        if sub_dec is not None and sub_dec.batch_size != B - F:
-            warnings.warn(f"peeling {F} samples left rank {sub_dec.batch_size}, not {B - F}: "
-                          "the search goes on without peeling", stacklevel=3)
+        if F < B and sub_dec is None:
+            warnings.warn(f"peeling {F} samples did not leave a clean rank {B - F}: the search "
+                          "goes on without peeling", stacklevel=3)
             run.peeler = None
             continue
         if cfg.progress:
-            print(f"[fl_attack] peeled {F} verified samples through the next layer: "
-                  f"{B - F} left", flush=True)
+            print(f"[fl_attack] {time.perf_counter() - start:.1f}s: peeled {F} verified samples "
+                  f"through the next layer, {B - F} left", flush=True)
         cols = dec.L @ peeled.columns
         here.columns, here.peeled, here.n_found = cols, F, F
         if sub_dec is None:
@@ -699,7 +697,8 @@ class _Search:
             if self.cfg.progress:
                 lam = f"{self.match.value:.4f}" if self.match else "-"
                 trusted = self.trusted.shape[1] if self.trusted is not None else 0
-                print(f"[fl_attack] round {self.rounds}: {self.n_candidates} candidates, "
+                print(f"[fl_attack] {time.perf_counter() - self.start:.1f}s: round {self.rounds}: "
+                      f"{self.n_candidates} candidates, "
                       f"{count}/{self.B} directions ({trusted} trusted), λ={lam}", flush=True)
             # a full basis whose pool no round changes any more: λ < 1 is final (λ forgives a
             # few chance zeros at active units, select.sparsity_match, but not every true basis

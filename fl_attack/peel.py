@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.decompose import decompose
+from fl_attack.decompose import Decomposition, decompose
 
 KERNEL_RTOL = {torch.float32: 1e-7, torch.float64: 1e-12}
 """Largest σ_min/σ_max of the next layer's rows on a column's zero rows that counts as a kernel.
@@ -39,6 +39,10 @@ large; 1-7 rounds sufficed for every true column measured."""
 TRIM_LEVEL = 0.3
 """A zero row is trimmed when the nearest vector's entry there exceeds this fraction of its
 largest entry over the zero rows."""
+
+CLIFF = 1e-3
+"""A spectrum counts as rank r when σ_{r+1} < CLIFF σ_r (float32 rounding sits ~1e-7 below
+the signal); otherwise the full, noise-aware ``decompose`` decides."""
 
 RESIDUAL_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 """Largest relative residual of the active units' system W x + b = t h that verifies a sample."""
@@ -62,16 +66,30 @@ class Peeled:
     """(K,) bool over the columns tried: which gave a verified sample."""
 
 
-def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int,
-                    floor_rtol: float) -> torch.Tensor | None:
+def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol: float,
+                    generator: torch.Generator | None = None) -> torch.Tensor | None:
     """(B, m) orthonormal basis of the next layer's activations' span, or None when the next
     layer's gradient does not have rank B (a sample with a zero loss gradient there, or two
-    with the same activations: then no kernel is trustworthy)."""
-    dec = decompose(next_weight_grad, floor_rtol=floor_rtol)
-    if dec.batch_size != batch_size:
+    with the same activations: then no kernel is trustworthy).
+
+    A randomised range finder with one power step (O(k m B) instead of an SVD of the whole
+    k x m matrix) when its spectrum shows a clean cliff after B values; ``decompose`` otherwise.
+    """
+    G2 = next_weight_grad
+    k, m = G2.shape
+    B = batch_size
+    width = min(B + max(10, B // 4), k, m)
+    if width > B:
+        omega = torch.randn(k, width, generator=generator, dtype=G2.dtype).to(G2.device)
+        Y = torch.linalg.qr(G2.T @ omega).Q  # (m, width)
+        Y = torch.linalg.qr(G2.T @ (G2 @ Y)).Q  # one power step
+        U, sv, Vh = torch.linalg.svd(G2 @ Y, full_matrices=False)
+        if sv[B - 1] > 0 and sv[B] < CLIFF * sv[B - 1]:
+            return (Y @ Vh[:B].T).T.contiguous()
+    dec = decompose(G2, floor_rtol=floor_rtol)
+    if dec.batch_size != B:
         return None
-    R2 = dec.R
-    return torch.linalg.qr(R2.T).Q.T  # the row space, orthonormal
+    return torch.linalg.qr(dec.R.T).Q.T  # the row space, orthonormal
 
 
 def _kernel(rows2: torch.Tensor, zero: torch.Tensor, tol: float
@@ -145,6 +163,23 @@ def recover(
     cols = columns[:, kept]
     cols = cols / (C * cols.T).sum(dim=1)  # the scale with c_k · a_k = 1
     return Peeled(inputs=C @ R, coords=C, columns=cols, verified=verified)
+
+
+def reduced(dec: Decomposition, peeled: Peeled) -> Decomposition | None:
+    """The decomposition of the gradient without the peeled samples, from ``dec``'s factors:
+    G - Σ g_k x_kᵀ = L (I - A_F C_F) R, so only the (B, n) factor is decomposed again. None
+    when that factor is not cleanly of rank B - F (then the peeled samples are not right)."""
+    B, F = dec.batch_size, peeled.coords.shape[0]
+    r = B - F
+    if r < 1:
+        return None
+    P = torch.eye(B, dtype=dec.R.dtype, device=dec.R.device) - peeled.columns @ peeled.coords
+    U, sv, Vh = torch.linalg.svd(P @ dec.R, full_matrices=False)
+    if not (sv[r - 1] > 0 and (r == B or sv[r] < CLIFF * sv[r - 1])):
+        return None
+    return Decomposition(L=(dec.L @ U[:, :r]).contiguous(), R=(sv[:r, None] * Vh[:r]).contiguous(),
+                         singular_values=torch.cat([sv[:r], dec.singular_values[B:]]),
+                         batch_size=r, noise_std=dec.noise_std, noise_edge=dec.noise_edge)
 
 
 def peel_off(weight_grad: torch.Tensor, bias_grad: torch.Tensor, L: torch.Tensor,

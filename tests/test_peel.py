@@ -80,6 +80,29 @@ def test_peeling_leaves_the_gradient_of_the_other_samples() -> None:
     assert float((gr - scale * g8.double()).norm() / gr.norm()) < 1e-4
 
 
+def test_fast_factors_equal_the_full_decompositions() -> None:
+    """The randomised basis of the next layer's rows spans what its SVD spans, and the reduced
+    factors L (I - A C) R give the same column space and product as decomposing G - Σ g xᵀ."""
+    t = _case()
+    gen = torch.Generator().manual_seed(0)
+    fast = peel.next_layer_rows(t["G2"].double(), B, 1e-6, gen)
+    full = decompose(t["G2"].double(), floor_rtol=1e-6).R
+    full = torch.linalg.qr(full.T).Q
+    assert fast is not None and fast.shape == (B, M)
+    assert float((fast.T @ fast - full @ full.T).norm()) < 1e-6
+    Qt = t["Qt"]
+    out = _recover(t, Qt[:, :12] / Qt[:, :12].norm(dim=0))
+    red = peel.reduced(t["dec"], out)
+    Gr, _ = peel.peel_off(t["G"].double(), t["g"].double(), t["dec"].L, out)
+    ref = decompose(Gr, floor_rtol=1e-6)
+    assert red is not None and red.batch_size == ref.batch_size == 8
+    assert float((red.L @ red.L.T - ref.L @ ref.L.T).norm()) < 1e-5
+    assert float((red.L @ red.R - Gr).norm() / Gr.norm()) < 1e-6
+    wrong = peel.Peeled(inputs=out.inputs, coords=out.coords, columns=out.columns.flip(1),
+                        verified=out.verified)  # coordinates paired with the wrong columns
+    assert peel.reduced(t["dec"], wrong) is None
+
+
 def test_a_starved_search_peels_and_recovers_the_whole_batch() -> None:
     """A starved search (32 starts, one round, no slice sampling: 14 of 20 columns alone, as
     measured) whose found samples are peeled off level by level recovers the whole batch,
