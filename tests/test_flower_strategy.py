@@ -269,3 +269,22 @@ def test_fedavg_runs_attack_sums_over_local_steps() -> None:
     assert "update" not in attack_settings(resolve_run_config({"protocol": "fedsgd"})).options
     explicit = resolve_run_config({"protocol": "fedavg", "attack.update": "gradient"})
     assert attack_settings(explicit).options == {"update": "gradient"}
+
+
+def test_next_layer_update_is_the_layer_the_attacked_one_feeds() -> None:
+    """The strategy gives the attack the update of the linear layer after the attacked one
+    (``next_weight_grad``), none after the last layer, and none for FedAvg sums."""
+    from strategies.audit import _next_layer_update
+
+    model = relu_mlp(784, WIDTH, 3, seed=0)
+    g_state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    n_state = {k: v + 0.5 for k, v in g_state.items()}
+    first = _next_layer_update(g_state, n_state, None, WIDTH)
+    assert first is not None and first.shape == (WIDTH, WIDTH)
+    assert np.allclose(first, -0.5)
+    assert _next_layer_update(g_state, n_state, "3.weight", WIDTH) is not None
+    assert _next_layer_update(g_state, n_state, "7.weight", 10) is None  # the output layer
+    assert _next_layer_update(g_state, n_state, None, WIDTH + 1) is None  # does not take them
+    assert AttackSettings().uses_next_layer()
+    assert not AttackSettings(options={"update": "fedavg"}).uses_next_layer()
+    assert not AttackSettings(next_layer=False).uses_next_layer()
