@@ -211,9 +211,10 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
            cfg: AttackConfig, precision: torch.dtype, generator: torch.Generator,
            device: torch.device, start: float, timings: dict[str, float],
            G2: torch.Tensor | None, rows2: torch.Tensor | None = None,
-           dec: Decomposition | None = None) -> _Found:
+           dec: Decomposition | None = None, seeds: torch.Tensor | None = None) -> _Found:
     """Search the columns of (G, g); with the next layer, peel the verified samples off and
-    solve the smaller batch that is left the same way (recursively)."""
+    solve the smaller batch that is left the same way (recursively), starting from the upper
+    level's candidates (``seeds``, (m, P) ∂L/∂Z directions) that belong to the rest."""
     t0 = time.perf_counter()
     floor = 1e-6 if precision == torch.float32 else 1e-13
     if dec is None:
@@ -236,6 +237,8 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
         run.peeler = lambda cols: peel.recover(
             cols, dec.L, dec.R, rows2, system.WR, system.bias, zero_rtol=zero_rtol,
             z_band=z_band, precision=precision)
+    if seeds is not None and B > 1:
+        run.seed(seeds)
     if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
         Q = torch.ones(1, 1, dtype=torch.float64, device=device)
         run.match = select.sparsity_match(Q, system)
@@ -266,7 +269,7 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
             return here
         sub_cfg = cfg if cfg.batch_size is None else dataclasses.replace(cfg, batch_size=B - F)
         sub = _solve(Gr, gr, W, b, sub_cfg, precision, generator, device, start, timings, G2,
-                     rows2=rows2, dec=sub_dec)
+                     rows2=rows2, dec=sub_dec, seeds=dec.L.to(run.pool) @ run.pool)
         sub_cols = sub.columns if sub.columns is not None else sub.dec.L @ sub.Q
         here.columns = torch.cat([cols, sub_cols], dim=1)
         here.peeled += sub.peeled
@@ -332,6 +335,19 @@ early at B = 210, m = 4000: that search alone gives ~8 columns, the completions 
 ~120, and every peel costs a new search round on the smaller batch (measured: peeling 6 after
 the search left 204 for a round that found 9)."""
 
+PEEL_TIME_SHARE = 0.5
+"""Past this share of ``max_seconds``, a tenth of B new trusted columns is enough to peel
+during the completions (the levels below need the time). Measured at (210,4000) seed 6:
+completions until 395 s of 400 for 100 trusted columns, so the half-batch share never
+triggered and the level below had no time. After the search's deadline the found samples are
+still peeled (within the final selection's extra time): they come back verified and exact
+even when the batch is not."""
+
+SEED_TOL = 1e-4
+"""A direction counts as inside a level's column space when its projection keeps this much
+of its unit norm (float32 factors: ~1e-7 off; a peeled sample's direction falls far outside
+or, if nearly inside, loses its zeros and fails the candidate filter anyway)."""
+
 POLISH_CHUNK = 256
 """Directions polished at once under a time budget (``AttackConfig.max_seconds``): ~4 s at
 B = 210, m = 4000 on 2 cores, where polishing a first round's ~4000 minima took 150 s."""
@@ -380,6 +396,16 @@ class _Search:
         self.peeled: peel.Peeled | None = None
         """Set when ``find`` stopped to let verified samples be peeled off."""
         self.peel_tried: set[bytes] = set()
+
+    def seed(self, directions: torch.Tensor) -> None:
+        """Start the pool with the unit ∂L/∂Z directions (m, P) that lie in this gradient's
+        column space: after a peel, the columns already found for the samples left over (the
+        peeled ones' directions fall outside it and are dropped)."""
+        L = self.dec.L.to(self.pool)
+        q = L.T @ directions.to(self.pool)
+        q = filtering.normalize_columns(q[:, q.norm(dim=0) > 1 - SEED_TOL])
+        if q.shape[1]:
+            self._add(q, filtering.zero_mask(L @ q, self.system.zero_rtol).sum(dim=0))
 
     def _objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The loss of the SPEAR++ search; None: the configured sparsity loss φ."""
@@ -663,10 +689,12 @@ class _Search:
         while (not done and self.trusted is not None and not self._out_of_time()
                and self._complete(self.trusted)):
             Q, count, done = self._done()
-            if not done and self._peel(min_new=max(1, int(PEEL_SHARE * self.B))):
+            late = passed(self._time_limit(PEEL_TIME_SHARE))
+            min_new = max(1, self.B // 10 if late else int(PEEL_SHARE * self.B))
+            if not done and self._peel(min_new=min_new):
                 return Q, count, done
         if not done:
-            self._peel()
+            self._peel(deadline=self.finish_deadline)
         return Q, count, done
 
     def find(self) -> tuple[torch.Tensor, int]:
@@ -720,10 +748,11 @@ class _Search:
                 self._tick("neighbours", t0)
         return self._finish()
 
-    def _peel(self, min_new: int = 1) -> bool:
-        """Recover the trusted columns' samples not tried yet (when at least ``min_new``);
-        True when some were verified (``self.peeled``), so that the caller peels them off."""
-        if self.peeler is None or self.trusted is None or self._out_of_time():
+    def _peel(self, min_new: int = 1, deadline: float | None = None) -> bool:
+        """Recover the trusted columns' samples not tried yet (when at least ``min_new``,
+        before ``deadline``, by default the search's); True when some were verified
+        (``self.peeled``), so that the caller peels them off."""
+        if self.peeler is None or self.trusted is None or self._out_of_time(deadline):
             return False
         zero = filtering.zero_mask(self.dec.L @ self.trusted, self.system.zero_rtol).cpu()
         keys = [zero[:, j].numpy().tobytes() for j in range(zero.shape[1])]
