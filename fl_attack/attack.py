@@ -357,6 +357,12 @@ NOISY_RATIO = 1e-3
 large layer's weight difference can reach it): λ then stops the search below 1 and no result
 is marked exact."""
 
+NEIGHBOUR_SHARE = 0.25
+"""Share of ``AttackConfig.max_seconds`` the neighbour search after round 1
+(``refine.conditional_directions``) may take. Clean runs at (210,4000) spent 40-80 s of 400
+there; under DP noise at (150,4000) (f = 0.01) the first round's pool held 2738 columns and the
+search took 314 s of the 400, leaving none for the completions and selection."""
+
 FINISH_SHARE = 0.25
 """Share of ``AttackConfig.max_seconds`` that the final selection (greedy swaps, repair) may
 take past the search's budget, so a run ends within about 1.25 x ``max_seconds``. The
@@ -418,6 +424,13 @@ class _Search:
         """The ``time.perf_counter()`` value at ``share`` x ``max_seconds`` (None: never)."""
         budget = self.cfg.max_seconds
         return None if budget is None else self.start + budget * share
+
+    def _from_now(self, share: float) -> float | None:
+        """The sooner of the search's deadline and ``share`` x ``max_seconds`` from now."""
+        budget, deadline = self.cfg.max_seconds, self.deadline
+        if budget is None or deadline is None:
+            return None
+        return min(deadline, time.perf_counter() + share * budget)
 
     @property
     def deadline(self) -> float | None:
@@ -558,13 +571,15 @@ class _Search:
         m = self.dec.L.shape[0]
         return min(max(int(0.75 * self.min_zeros), self.B + 2), m - 1)
 
-    def _split_faces(self, Q: torch.Tensor, n_rows: int, vertex: bool = False) -> None:
-        """Split each new face (kernel of dimension > 1) into its sparsest directions."""
+    def _split_faces(self, Q: torch.Tensor, n_rows: int, vertex: bool = False,
+                     deadline: float | None = None) -> None:
+        """Split each new face (kernel of dimension > 1) into its sparsest directions, until
+        ``deadline`` (by default the search's)."""
         L, rtol = self.dec.L, self.system.zero_rtol
         found, counts = [], []
         budget = self.cfg.max_faces or (128 if self.B <= 32 else 16)
         for j in range(Q.shape[1]):
-            if budget <= 0 or self._out_of_time():
+            if budget <= 0 or self._out_of_time(deadline):
                 break
             if vertex:
                 N = refine.vertex_face_basis(L, Q[:, j], rtol, self.cfg.max_leverage)
@@ -741,10 +756,11 @@ class _Search:
             if (not spear and self.cfg.polish and self.rounds == 1 and self.n_candidates
                     and not self._out_of_time()):
                 t0 = time.perf_counter()
+                limit = self._from_now(NEIGHBOUR_SHARE)  # half of it for the seeds
                 seeds = refine.conditional_directions(
                     self.dec.L, self.pool, zero_rtol=self.system.zero_rtol,
-                    generator=self.generator, deadline=self.deadline)
-                self._split_faces(seeds, self._n_rows())
+                    generator=self.generator, deadline=self._from_now(NEIGHBOUR_SHARE / 2))
+                self._split_faces(seeds, self._n_rows(), deadline=limit)
                 self._tick("neighbours", t0)
         return self._finish()
 

@@ -116,6 +116,13 @@ def face_basis(
     return vecs[:, :k]
 
 
+CONDITIONAL_CHUNK = 2**25
+"""Elements of one block of the zero-padded restricted problems (found columns x zero rows x B)
+in :func:`conditional_directions`. Under DP noise the first round's pool at B = 150, m = 4000
+held 2738 columns with up to 2412 zero rows: as one block that asked for 7.9 GB and, with its
+SVD, took the process past 24 GB (killed by the OOM killer)."""
+
+
 def conditional_directions(
     L: torch.Tensor,
     found: torch.Tensor,
@@ -126,27 +133,47 @@ def conditional_directions(
     steps: int = 200,
     dtype: torch.dtype = torch.float32,
     deadline: float | None = None,
+    chunk_elems: int = CONDITIONAL_CHUNK,
 ) -> torch.Tensor:
     """Seeds for columns hidden next to found ones (B, F * n_init), to be split as faces.
 
     A sample whose ReLU pattern is close to that of a found column q_f is nearly all zero on the
     zero rows Z_f of q_f, far sparser there than any other sample. So the ℓ1 search is re-run
-    on L restricted to Z_f, with q_f (invisible there) projected out; all F found columns are
-    solved as one zero-padded batch. The result vanishes on Z_f ∩ Z_j: a point of the face
-    {q_f, q_j}, which :func:`split_face` resolves. ``deadline``: as in
-    :func:`~fl_attack.search.optimise_on_sphere` (the caller's time budget).
+    on L restricted to Z_f, with q_f (invisible there) projected out; the F found columns are
+    solved as zero-padded batches of at most ``chunk_elems`` elements, in the given order (the
+    pool's: sparsest first), until ``deadline`` (as in
+    :func:`~fl_attack.search.optimise_on_sphere`, the caller's time budget), so memory stays
+    bounded however large the pool. The result vanishes on Z_f ∩ Z_j: a point of the face
+    {q_f, q_j}, which :func:`split_face` resolves.
     """
     m, B = L.shape
-    F = found.shape[1]
-    if F == 0 or B < 3:
-        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    if found.shape[1] == 0 or B < 3:
+        return empty
     zmask = zero_mask(L @ found, zero_rtol)  # (m, F)
     # the restricted problem needs B-1 zero rows to have a (B-1)-dim range (narrow layers can
     # have pool columns with fewer zeros)
     enough = zmask.sum(dim=0) >= B - 1
     if not bool(enough.any()):
-        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+        return empty
     found, zmask = found[:, enough], zmask[:, enough]
+    per_column = int(zmask.sum(dim=0).max()) * B
+    step = max(1, chunk_elems // per_column)
+    out = [empty]
+    for i in range(0, found.shape[1], step):
+        if i and passed(deadline):
+            break
+        out.append(_conditional_block(L, found[:, i:i + step], zmask[:, i:i + step],
+                                      generator=generator, n_init=n_init, steps=steps,
+                                      dtype=dtype, deadline=deadline))
+    return torch.cat(out, dim=1)
+
+
+def _conditional_block(L: torch.Tensor, found: torch.Tensor, zmask: torch.Tensor, *,
+                       generator: torch.Generator, n_init: int, steps: int, dtype: torch.dtype,
+                       deadline: float | None) -> torch.Tensor:
+    """:func:`conditional_directions` for one block of found columns and their zero rows."""
+    B = L.shape[1]
     F = found.shape[1]
     zmax = int(zmask.sum(dim=0).max())
     order = torch.argsort((~zmask).to(torch.int8), dim=0, stable=True)[:zmax]  # zero rows first

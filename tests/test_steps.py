@@ -246,6 +246,38 @@ def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> N
     assert torch.allclose(first, everything[:, :per], atol=1e-12)
 
 
+def test_conditional_directions_stay_within_their_memory_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large pool is solved in blocks of at most ``chunk_elems`` (found columns x zero rows x
+    B; one block of a noisy (150,4000) pool asked for 7.9 GB), every column gets its seeds,
+    and a passed deadline stops after the first block."""
+    t = _truth(20, 200, seed=0)
+    L, found = t["L"], t["Qt"] / t["Qt"].norm(dim=0)
+    zmax = int(filtering.zero_mask(L @ found, 1e-4).sum(dim=0).max())
+    sizes: list[int] = []
+    block = refine._conditional_block
+
+    def spy(L: torch.Tensor, found: torch.Tensor, zmask: torch.Tensor, **kw) -> torch.Tensor:
+        sizes.append(found.shape[1])
+        return block(L, found, zmask, **kw)
+
+    monkeypatch.setattr(refine, "_conditional_block", spy)
+    kw = {"zero_rtol": 1e-4, "n_init": 4, "steps": 20}
+    one = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+                                        **kw)
+    assert sizes == [20] and one.shape == (20, 80)
+    sizes.clear()
+    chunk = 3 * zmax * 20
+    out = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+                                        chunk_elems=chunk, **kw)
+    assert sizes == [3] * 6 + [2] and out.shape == (20, 80)
+    assert torch.allclose(out.norm(dim=0), torch.ones(80, dtype=out.dtype))
+    sizes.clear()
+    cut = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+                                        chunk_elems=chunk, deadline=0.0, **kw)
+    assert sizes == [3] and cut.shape == (20, 12)
+
+
 def test_a_deadline_passes_only_once_the_clock_is_beyond_it() -> None:
     now = time.perf_counter()
     assert not clock.passed(None)
