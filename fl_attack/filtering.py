@@ -29,6 +29,42 @@ def zero_mask(V: torch.Tensor, rtol: float) -> torch.Tensor:
     return V.abs() <= rtol * scale
 
 
+def noise_scales(Q: torch.Tensor, row_noise: torch.Tensor) -> torch.Tensor:
+    """Std of the noise on each entry of L q for the columns q of ``Q`` (B, K) (K,).
+
+    L is the orthonormal factor of a gradient carrying i.i.d. noise of std ν, whose j-th
+    column is perturbed by about ν / s_j (s_j its singular value); ``row_noise`` is that
+    vector ν / s (B,). Measured at B = 150, m = 4000 under DP noise on the true columns' zero
+    rows: 0.94-1.02 x this prediction.
+    """
+    return (Q * row_noise[:, None].to(Q)).norm(dim=0)
+
+
+CLEAR_ZERO_SD = 3.0
+"""Entries within this many noise stds count as zeros in :func:`noisy_sparsity`."""
+
+CLEAR_SIGNAL_SD = 20.0
+"""Entries beyond this many noise stds count as clearly active in :func:`noisy_sparsity`."""
+
+
+def noisy_sparsity(V: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """How clearly each column of ``V`` = L Q (m, K) is a sparse column plus noise (K,): its
+    entries within :data:`CLEAR_ZERO_SD` noise stds ``scale`` (K,) minus those in the
+    ambiguous band up to :data:`CLEAR_SIGNAL_SD`.
+
+    A true column under noise is bimodal: about half its entries at the noise level, the rest
+    far above (median 75 stds at B = 150, m = 4000, DP noise at f = 0.01). A zero count
+    relative to the column's largest entry ranked such columns below directions dominated by
+    the noisiest singular vectors (noise std 6x larger, one large entry, a continuum below
+    it): none of the 300 top-ranked of 8138 pool columns was a true one, and the selection
+    held 118 of the 133 true columns in the pool. Ranked by this score: 186 of the top 300,
+    and 132 of the 133 selected.
+    """
+    r = V.abs() / scale.clamp_min(torch.finfo(V.dtype).tiny)
+    zero = r <= CLEAR_ZERO_SD
+    return zero.sum(dim=0) - ((~zero) & (r <= CLEAR_SIGNAL_SD)).sum(dim=0)
+
+
 def normalize_columns(Q: torch.Tensor) -> torch.Tensor:
     """Unit-norm columns with a canonical sign (largest-magnitude entry positive)."""
     Q = Q / Q.norm(dim=0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)

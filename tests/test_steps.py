@@ -13,7 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_attack import clock, data, feasibility, filtering, models, polish, refine, search, select
+from fl_attack import (
+    attack,
+    clock,
+    data,
+    feasibility,
+    filtering,
+    models,
+    polish,
+    refine,
+    search,
+    select,
+)
 from fl_attack.decompose import decompose
 from fl_attack.scale import make_system
 
@@ -390,3 +401,29 @@ def test_masked_kernels_match_full_eigendecompositions() -> None:
     assert _hits(Qt, P[:, :20], tol=1e-12) == set(range(20))  # the exact true columns
     cos = (P * P_ref).sum(dim=0).abs()
     assert float(cos[:30].min()) > 1 - 1e-12
+
+
+def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() -> None:
+    """Gaussian noise on a real photo batch's gradient: ``noise_scales`` predicts the scatter of
+    each true column's zero rows, and ``noisy_sparsity`` scores every true column above the
+    attack's trust level and random directions of the same span far below it."""
+    t = _truth(20, 200, seed=0)
+    G = t["L"] @ t["R"]
+    gen = torch.Generator().manual_seed(0)
+    nu = 0.05 * float(G.abs().median())
+    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
+    assert dec.batch_size == 20 and 0.9 < dec.noise_std / nu < 1.1
+    row_noise = dec.noise_std / dec.singular_values[:20]
+    Qt = dec.L.T @ t["D"]
+    V = dec.L @ Qt
+    zero = t["D"] == 0
+    measured = torch.stack([V[zero[:, j], j].std() for j in range(20)])
+    ratio = measured / filtering.noise_scales(Qt, row_noise)
+    assert 0.9 < float(ratio.median()) < 1.1 and 0.7 < float(ratio.min())
+    assert float(ratio.max()) < 1.4
+    trust = attack.NOISY_TRUST * filtering.min_zero_count(200, 1e-5)
+    score = filtering.noisy_sparsity(V, filtering.noise_scales(Qt, row_noise))
+    assert bool((score >= trust).all())
+    Qr = torch.randn(20, 500, generator=gen, dtype=G.dtype)
+    random = filtering.noisy_sparsity(dec.L @ Qr, filtering.noise_scales(Qr, row_noise))
+    assert int(random.max()) < 0.5 * trust
