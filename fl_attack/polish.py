@@ -41,28 +41,30 @@ def default_chunk(device: torch.device) -> int:
 
 
 def gathered_rows(
-    L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25
+    L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25, *, sort: bool = True
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The rows of L selected by each boolean column of ``mask`` (m, K), gathered and zero-padded
-    in chunks: (column indices (k,), rows (k, w, B)), w the chunk's largest selection.
+    in chunks of at most ``chunk_elems`` elements (or one column): (column indices (k,), rows
+    (k, w, B)), w the chunk's largest selection.
 
-    Columns go in order of selection size so each chunk is padded only to its own largest one.
-    A zero set holds 40-50% of the m rows, so products over the gathered rows cost about half
-    of those over all m rows with the others masked to zero (and a quarter in the first
-    polishing pass, which uses 0.75 x the smallest zero count).
+    Columns go in order of selection size so each chunk is padded only to its own largest one;
+    with ``sort=False`` in the given order (for callers that stop at a deadline and rank their
+    columns). A zero set holds 40-50% of the m rows, so products over the gathered rows cost
+    about half of those over all m rows with the others masked to zero (and a quarter in the
+    first polishing pass, which uses 0.75 x the smallest zero count).
     """
     m, B = L.shape
     K = mask.shape[1]
     counts = mask.sum(dim=0).cpu()
-    order = torch.argsort(counts)
+    order = torch.argsort(counts) if sort else torch.arange(K)
     padded = torch.cat([L, L.new_zeros(1, B)])  # row m is the padding
     start = 0
     while start < K:
-        ends = torch.arange(start + 1, K + 1)
-        fits = (ends - start) * counts[order[ends - 1]].clamp_min(1) * B <= chunk_elems
-        end = int(ends[fits].max()) if bool(fits.any()) else start + 1
+        widths = torch.cummax(counts[order[start:]].clamp_min(1), dim=0).values
+        fits = torch.arange(1, K - start + 1) * widths * B <= chunk_elems  # a prefix
+        end = start + max(int(fits.sum()), 1)
         cols = order[start:end].to(mask.device)
-        w = max(int(counts[order[end - 1]]), 1)
+        w = int(widths[end - start - 1])
         sub = mask[:, cols].T  # (k, m)
         rows = torch.topk(sub.to(torch.int8), w, dim=1, sorted=False).indices  # selected first
         yield cols, padded[torch.where(sub.gather(1, rows), rows, m)]

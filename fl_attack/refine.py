@@ -16,7 +16,13 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.filtering import dedupe, zero_mask
-from fl_attack.polish import default_chunk, masked_grams, plus_diagonal, smallest_ritz_pairs
+from fl_attack.polish import (
+    default_chunk,
+    gathered_rows,
+    masked_grams,
+    plus_diagonal,
+    smallest_ritz_pairs,
+)
 from fl_attack.sampling import random_row_subsets, submatrix_kernels
 from fl_attack.search import optimise_on_sphere
 
@@ -157,39 +163,31 @@ def conditional_directions(
     if not bool(enough.any()):
         return empty
     found, zmask = found[:, enough], zmask[:, enough]
-    per_column = int(zmask.sum(dim=0).max()) * B
-    step = max(1, chunk_elems // per_column)
     out = [empty]
-    for i in range(0, found.shape[1], step):
-        if i and passed(deadline):
+    for cols, Lz in gathered_rows(L, zmask, chunk_elems, sort=False):
+        if int(cols[0]) and passed(deadline):
             break
-        out.append(_conditional_block(L, found[:, i:i + step], zmask[:, i:i + step],
-                                      generator=generator, n_init=n_init, steps=steps,
-                                      dtype=dtype, deadline=deadline))
+        out.append(_conditional_block(Lz, found[:, cols], generator=generator, n_init=n_init,
+                                      steps=steps, dtype=dtype, deadline=deadline))
     return torch.cat(out, dim=1)
 
 
-def _conditional_block(L: torch.Tensor, found: torch.Tensor, zmask: torch.Tensor, *,
-                       generator: torch.Generator, n_init: int, steps: int, dtype: torch.dtype,
+def _conditional_block(Lz: torch.Tensor, found: torch.Tensor, *, generator: torch.Generator,
+                       n_init: int, steps: int, dtype: torch.dtype,
                        deadline: float | None) -> torch.Tensor:
-    """:func:`conditional_directions` for one block of found columns and their zero rows."""
-    B = L.shape[1]
-    F = found.shape[1]
-    zmax = int(zmask.sum(dim=0).max())
-    order = torch.argsort((~zmask).to(torch.int8), dim=0, stable=True)[:zmax]  # zero rows first
-    rows_ok = zmask.gather(0, order)  # (zmax, F)
-    Lz = L[order] * rows_ok[..., None]  # (zmax, F, B), padded with zero rows
-    Lz = Lz.permute(1, 0, 2)  # (F, zmax, B)
+    """:func:`conditional_directions` for one block of found columns (B, F) and their zero rows
+    of L, zero-padded (F, w, B)."""
+    F, _, B = Lz.shape
     q = found.T / found.norm(dim=0)[:, None]  # (F, B)
-    proj = torch.eye(B, dtype=L.dtype, device=L.device) - q[:, :, None] * q[:, None, :]
+    proj = torch.eye(B, dtype=Lz.dtype, device=Lz.device) - q[:, :, None] * q[:, None, :]
     _, S, Vh = torch.linalg.svd(Lz @ proj, full_matrices=False)  # rank B-1 per problem
     V = Vh[:, : B - 1].transpose(1, 2)  # (F, B, B-1)
-    Sinv = 1.0 / S[:, : B - 1].clamp_min(torch.finfo(L.dtype).eps)
-    U = Lz @ V * Sinv[:, None, :]  # (F, zmax, B-1) orthonormal columns
+    Sinv = 1.0 / S[:, : B - 1].clamp_min(torch.finfo(Lz.dtype).eps)
+    U = Lz @ V * Sinv[:, None, :]  # (F, w, B-1) orthonormal columns
     init = torch.randn(F, n_init, B - 1, generator=generator, dtype=torch.float64)
-    init = (init / init.norm(dim=-1, keepdim=True)).to(device=L.device, dtype=dtype)
+    init = (init / init.norm(dim=-1, keepdim=True)).to(device=Lz.device, dtype=dtype)
     C = optimise_on_sphere(U.to(dtype), init, steps=steps, deadline=deadline)  # (F, B-1, K)
-    Qs = V @ (Sinv[:, :, None] * C.to(L.dtype))  # (F, B, K)
+    Qs = V @ (Sinv[:, :, None] * C.to(Lz.dtype))  # (F, B, K)
     Qs = Qs.permute(1, 0, 2).reshape(B, F * n_init)
     return Qs / Qs.norm(dim=0, keepdim=True)
 

@@ -260,33 +260,39 @@ def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> N
 def test_conditional_directions_stay_within_their_memory_blocks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A large pool is solved in blocks of at most ``chunk_elems`` (found columns x zero rows x
-    B; one block of a noisy (150,4000) pool asked for 7.9 GB), every column gets its seeds,
-    and a passed deadline stops after the first block."""
+    B; one block of a noisy (150,4000) pool asked for 7.9 GB) taken in the pool's order, every
+    column gets its seeds, and a passed deadline stops after the first block."""
     t = _truth(20, 200, seed=0)
     L, found = t["L"], t["Qt"] / t["Qt"].norm(dim=0)
-    zmax = int(filtering.zero_mask(L @ found, 1e-4).sum(dim=0).max())
-    sizes: list[int] = []
+    zeros = filtering.zero_mask(L @ found, 1e-4).sum(dim=0)
+    blocks: list[tuple[int, int]] = []
     block = refine._conditional_block
 
-    def spy(L: torch.Tensor, found: torch.Tensor, zmask: torch.Tensor, **kw) -> torch.Tensor:
-        sizes.append(found.shape[1])
-        return block(L, found, zmask, **kw)
+    def spy(Lz: torch.Tensor, cols: torch.Tensor, **kw) -> torch.Tensor:
+        blocks.append((cols.shape[1], Lz.numel()))
+        # the block's columns, in order, with their zero rows and no more padding than needed
+        first = sum(n for n, _ in blocks[:-1])
+        assert torch.equal(cols, found[:, first:first + cols.shape[1]])
+        assert Lz.shape[1] == int(zeros[first:first + cols.shape[1]].max())
+        return block(Lz, cols, **kw)
 
     monkeypatch.setattr(refine, "_conditional_block", spy)
     kw = {"zero_rtol": 1e-4, "n_init": 4, "steps": 20}
     one = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         **kw)
-    assert sizes == [20] and one.shape == (20, 80)
-    sizes.clear()
-    chunk = 3 * zmax * 20
+    assert [n for n, _ in blocks] == [20] and one.shape == (20, 80)
+    blocks.clear()
+    chunk = 3 * int(zeros.max()) * 20
     out = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         chunk_elems=chunk, **kw)
-    assert sizes == [3] * 6 + [2] and out.shape == (20, 80)
+    assert len(blocks) >= 7 and all(elems <= chunk for _, elems in blocks)
+    assert sum(n for n, _ in blocks) == 20 and out.shape == (20, 80)
     assert torch.allclose(out.norm(dim=0), torch.ones(80, dtype=out.dtype))
-    sizes.clear()
+    n_first = blocks[0][0]
+    blocks.clear()
     cut = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         chunk_elems=chunk, deadline=0.0, **kw)
-    assert sizes == [3] and cut.shape == (20, 12)
+    assert len(blocks) == 1 and cut.shape == (20, 4 * n_first)
 
 
 def test_a_deadline_passes_only_once_the_clock_is_beyond_it() -> None:
