@@ -48,10 +48,12 @@ def gathered_rows(
     (k, w, B)), w the chunk's largest selection.
 
     Columns go in order of selection size so each chunk is padded only to its own largest one;
-    with ``sort=False`` in the given order (for callers that stop at a deadline and rank their
-    columns). A zero set holds 40-50% of the m rows, so products over the gathered rows cost
-    about half of those over all m rows with the others masked to zero (and a quarter in the
-    first polishing pass, which uses 0.75 x the smallest zero count).
+    with ``sort=False`` in the given order, and each column's rows in row order (for callers
+    that stop at a deadline and rank their columns; the row order changes float32 sums, and so
+    which minimum a non-convex search reaches). A zero set holds 40-50% of the m rows, so
+    products over the gathered rows cost about half of those over all m rows with the others
+    masked to zero (and a quarter in the first polishing pass, which uses 0.75 x the smallest
+    zero count).
     """
     m, B = L.shape
     K = mask.shape[1]
@@ -66,7 +68,10 @@ def gathered_rows(
         cols = order[start:end].to(mask.device)
         w = int(widths[end - start - 1])
         sub = mask[:, cols].T  # (k, m)
-        rows = torch.topk(sub.to(torch.int8), w, dim=1, sorted=False).indices  # selected first
+        if sort:
+            rows = torch.topk(sub.to(torch.int8), w, dim=1, sorted=False).indices  # selected first
+        else:  # selected first, in row order
+            rows = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :w]
         yield cols, padded[torch.where(sub.gather(1, rows), rows, m)]
         start = end
 
