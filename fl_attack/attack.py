@@ -473,12 +473,11 @@ class _Search:
         keep = zeros >= self.min_zeros
         if leverage is not None:
             keep &= leverage < self.cfg.max_leverage
-        Q, score = Q[:, keep], zeros[keep]
+        Q, score = Q[:, keep].to(self.pool), zeros[keep]
         if self.row_noise is not None and Q.shape[1]:
-            Qd = Q.to(self.pool)
             score = filtering.noisy_sparsity(
-                self.dec.L.to(self.pool) @ Qd, filtering.noise_scales(Qd, self.row_noise))
-        pool = torch.cat([self.pool, Q.to(self.pool)], dim=1)
+                self.dec.L.to(self.pool) @ Q, filtering.noise_scales(Q, self.row_noise))
+        pool = torch.cat([self.pool, Q], dim=1)
         pz = torch.cat([self.pool_score, score.to(self.pool_score)])
         order = torch.argsort(pz, descending=True, stable=True)
         pool, pz = pool[:, order], pz[order]
@@ -487,13 +486,15 @@ class _Search:
         self.pool_score = pz[idx]
         self.n_candidates = self.pool.shape[1]
 
-    def _select(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def _select(self) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """(Q, count of pool columns in it, the other pool columns, their pool indices
+        (count,)): Q's first ``count`` columns are pool columns, the rest completes a basis."""
         # directions closer than this to the span of chosen ones are the same up to noise
         idx, count = select.stage1(self.pool, self.B, tol=max(1e-8, 10 * self.system.zero_rtol))
         Q = select.complete_basis(self.pool[:, idx], self.B)
         rest = torch.ones(self.pool.shape[1], dtype=torch.bool, device=self.pool.device)
         rest[idx] = False
-        return Q, count, self.pool[:, rest]
+        return Q, count, self.pool[:, rest], idx
 
     def _round_spearpp(self) -> None:
         cfg, B = self.cfg, self.B
@@ -709,11 +710,11 @@ class _Search:
     def _done(self) -> tuple[torch.Tensor, int, bool]:
         """Select and check whether the selection is complete and certified enough."""
         t0 = time.perf_counter()
-        Q, count, _ = self._select()
+        Q, count, _, idx = self._select()
         self.match = select.sparsity_match(Q, self.system) if count == self.B else None
         self.trusted = Q[:, :count]
         if self.row_noise is not None:  # under noise no pattern matches on every unit
-            self.trusted = self.trusted[:, self._clearly_sparse(self.trusted)]
+            self.trusted = self.trusted[:, self.pool_score[idx] >= NOISY_TRUST * self.min_zeros]
         elif self.match is not None:  # with a full basis, trust the columns whose patterns match
             self.trusted = Q[:, self.match.per_column >= self.dec.L.shape[0]]
         self._tick("select", t0)
@@ -725,14 +726,6 @@ class _Search:
         if self.row_noise is not None:  # λ ≥ 0.98 held for a basis with 22 of 150 wrong
             done = done and self.trusted.shape[1] == self.B
         return Q, count, done
-
-    def _clearly_sparse(self, cols: torch.Tensor) -> torch.Tensor:
-        """Mask of the columns (B, F) that are clearly sparse under the noise: a
-        ``filtering.noisy_sparsity`` of at least :data:`NOISY_TRUST` x the least zero count."""
-        assert self.row_noise is not None
-        score = filtering.noisy_sparsity(self.dec.L.to(cols) @ cols,
-                                         filtering.noise_scales(cols, self.row_noise))
-        return score >= NOISY_TRUST * self.min_zeros
 
     def _completions(self, Q: torch.Tensor, count: int,
                      done: bool) -> tuple[torch.Tensor, int, bool]:
@@ -826,7 +819,7 @@ class _Search:
     def _finish(self) -> tuple[torch.Tensor, int]:
         """Final selection (stage 2 swaps), and the repair of 1-3 mismatching columns."""
         t0 = time.perf_counter()
-        Q, count, spare = self._select()
+        Q, count, spare, _ = self._select()
         if self.cfg.greedy and self.system.WR is not None:
             Q, self.match, self.swaps = select.greedy_swaps(
                 Q, spare, self.system, max_swaps=self.cfg.max_swaps,

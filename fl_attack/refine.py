@@ -165,7 +165,7 @@ def conditional_directions(
     found, zmask = found[:, enough], zmask[:, enough]
     out = [empty]
     for cols, Lz in gathered_rows(L, zmask, chunk_elems, sort=False):
-        if int(cols[0]) and passed(deadline):
+        if len(out) > 1 and passed(deadline):  # at least one block
             break
         out.append(_conditional_block(Lz, found[:, cols], generator=generator, n_init=n_init,
                                       steps=steps, dtype=dtype, deadline=deadline))
