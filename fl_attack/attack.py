@@ -636,7 +636,8 @@ class _Search:
         The exact completion runs once per found set of 1-3 missing columns (it gives up on
         3 when the cells are too many: m ≥ 284); the sampled one up to :data:`SLICE_PATIENCE`
         times per found set and round when 2 or more are missing. For FedAvg sums, where the
-        exact one does not apply, the sampled one also runs once for a single missing column.
+        exact one does not apply, the sampled one also runs once for a single missing column;
+        under noise both run once for 1-3 missing columns (least-squares kernels).
         """
         count = found.shape[1]
         missing = self.B - count
@@ -652,6 +653,11 @@ class _Search:
         if once and exact not in self.completed:
             self.completed[exact] = 1
             Qc = self._missing_candidates(found, sampled=not exact_ok)
+            if exact_ok and self.row_noise is not None and self.cfg.slice_samples:
+                # under noise a pre-activation near 0 may take the wrong sign: the most negative
+                # rows' kernels avoid those (at (150, 4000), true others, float32 rounding: the
+                # exact completion missed 6 of 150 samples, these got all 6)
+                Qc = torch.cat([Qc, self._missing_candidates(found, sampled=True)], dim=1)
         elif (missing >= 2 and self.cfg.slice_samples
               and self.completed.get(sampled, 0) < SLICE_PATIENCE):
             self.completed[sampled] = self.completed.get(sampled, 0) + 1
@@ -673,8 +679,10 @@ class _Search:
         args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
                 self.system.t)
         if not sampled:
-            return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol)
+            return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol,
+                                           row_noise=self.row_noise)
         return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
+                                     row_noise=self.row_noise,
                                      generator=self.generator,
                                      n_samples=self.cfg.slice_samples or 2048,
                                      deadline=self.deadline if deadline is None else deadline)
@@ -817,7 +825,8 @@ class _Search:
         return True
 
     def _finish(self) -> tuple[torch.Tensor, int]:
-        """Final selection (stage 2 swaps), and the repair of 1-3 mismatching columns."""
+        """Final selection (stage 2 swaps), the repair of 1-3 mismatching columns and, under
+        noise, the found columns re-estimated from all their zero rows (``polish.noisy_refit``)."""
         t0 = time.perf_counter()
         Q, count, spare, _ = self._select()
         if self.cfg.greedy and self.system.WR is not None:
@@ -830,6 +839,13 @@ class _Search:
         self._tick("select", t0)
         if count == self.B and self.match is not None and self.match.value < 1.0:
             Q = self._repair(Q)
+        if self.row_noise is not None and count:  # each found column from all its zero rows
+            t0 = time.perf_counter()
+            Q = Q.clone()
+            Q[:, :count] = polish.noisy_refit(self.dec.L, Q[:, :count], self.row_noise)
+            if self.match is not None:
+                self.match = select.sparsity_match(Q, self.system)
+            self._tick("refit", t0)
         return Q, count
 
     def _repair(self, Q: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from fl_attack.clock import passed
-from fl_attack.filtering import zero_mask
+from fl_attack.filtering import noise_scales, noisy_sparsity, zero_mask
 
 EIGH_UP_TO = 32
 """Polishing uses full eigen-decompositions up to this B and :func:`masked_kernels` above it.
@@ -331,3 +331,46 @@ def irls_round(
             q = z * torch.sign((z * q).sum(dim=1, keepdim=True) + 1e-300)
         out[:, start:start + per] = q.T
     return out[:, :done]
+
+
+REFIT_ZERO_SD = 3.0
+""":func:`noisy_refit` counts an entry of L q within this many noise stds as a zero row."""
+
+
+def noisy_refit(L: torch.Tensor, Q: torch.Tensor, row_noise: torch.Tensor, *,
+                iters: int = 3, chunk_elems: int | None = None) -> torch.Tensor:
+    """Re-estimate noisy columns ``Q`` (B, K) from all their zero rows (B, K), unit, same signs.
+
+    Under noise every found column is a kernel of a few hundred to a few thousand rows taken
+    at some point of the search, and each carries its own small error; the reconstruction
+    inverts all B of them, so these errors add up over the batch. Here each column's zero
+    rows are the entries within :data:`REFIT_ZERO_SD` noise stds (``filtering.noise_scales``)
+    and the column becomes their least-squares kernel in the metric of the noise on q
+    (``row_noise`` = ν / s: the generalised eigenvector of (L_zᵀ L_z, diag(row_noise²))), then
+    again from its new zero rows. Measured at B = 150, m = 4000, DP noise at f = 0.01: the
+    found columns' median 1 - cos to the truth went from 1.9e-5 to 4.8e-6 and the batch from
+    51.0 to 54.9 dB, against 55.5 dB for the same kernels on the true zero rows.
+    """
+    L = L.double()
+    Q = Q.to(L.dtype)
+    w = row_noise.to(L)
+    B = L.shape[1]
+    for _ in range(iters):
+        V = L @ Q
+        mask = V.abs() <= REFIT_ZERO_SD * noise_scales(Q, w)[None, :]
+        enough = mask.sum(dim=0) >= B
+        new = Q.clone()
+        for cols, gram in masked_grams(L, mask[:, enough], chunk_elems or default_chunk(L.device)):
+            white = gram / (w[:, None] * w[None, :])
+            _, vecs = torch.linalg.eigh(white)
+            v = vecs[:, :, 0] / w  # (k, B)
+            idx = torch.nonzero(enough).squeeze(1)[cols]
+            new[:, idx] = v.T
+        new = new / new.norm(dim=0, keepdim=True)
+        new = new * torch.where((new * Q).sum(dim=0) < 0, -1.0, 1.0)
+        # a column that is no sample's (a wrong batch size under heavy noise) has no zero rows
+        # to fit: keep a step only where it makes the column more clearly sparse
+        better = (noisy_sparsity(L @ new, noise_scales(new, w))
+                  >= noisy_sparsity(V, noise_scales(Q, w)))
+        Q = torch.where(better[None, :], new, Q)
+    return Q

@@ -204,9 +204,15 @@ def _blocks(n: int, device: torch.device) -> list[slice]:
     return [slice(i, i + step) for i in range(0, n, step)]
 
 
-def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> torch.Tensor:
+def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3,
+                     noise_tol: torch.Tensor | None = None) -> torch.Tensor:
     """Unit kernel vectors (B, c) of the Gram matrices (k, B, B) whose numerical kernel (below
     ``tol`` (k,)) is exactly one-dimensional.
+
+    ``noise_tol`` (k, B), under noise: the eigenvalue a kernel vector v may have per unit of
+    (row_noise ⊙ v)², i.e. n_rows x :data:`KERNEL_NOISE_SD`², with ``tol`` then the largest
+    such value (the screen's). Each Ritz pair is judged against its own vector's noise: kept
+    when the smallest is within it and the second is not.
 
     Most candidate row sets have no kernel; a Cholesky factor of the Gram matrix minus the
     tolerance exists exactly then, so those are dropped at once. The others get Ritz pairs
@@ -226,13 +232,38 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3) -> t
             continue
         g, t = g[singular], t[singular]
         theta, V = smallest_ritz_pairs(g, Y[None].expand(g.shape[0], -1, -1))
+        if noise_tol is not None:  # tol of each Ritz vector from its own noise
+            per = noise_tol[blk][singular]  # (k, B)
+            t0 = (V[:, :, 0].square() * per).sum(dim=1)
+            t1 = (V[:, :, 1].square() * per).sum(dim=1)
+            out.append(V[:, :, 0][(theta[:, 0] <= t0) & (theta[:, 1] > t1)])
+            continue
         out.append(V[:, :, 0][(theta[:, 0] <= t) & (theta[:, 1] > t)])
     vec = torch.cat(out)
     return (vec / vec.norm(dim=1, keepdim=True)).T
 
 
+KERNEL_NOISE_SD = 2.0
+"""Under noise a row set's kernel vector v may leave entries of L v up to this many noise stds
+(``filtering.noise_scales``) in root mean square. Measured on a (150, 4000) weight difference
+whose only noise is float32 rounding, true columns with their exact patterns: the smallest
+eigenvalue was 2.2-2.5 x the predicted n_rows x std² (1.5-1.6 stds), the next 10⁶ x above."""
+
+
+def _row_tol(n_rows: torch.Tensor, zero_rtol: float, m: int,
+             row_noise: torch.Tensor | None) -> torch.Tensor:
+    """Eigenvalue tolerance of a Gram matrix of ``n_rows`` rows of L: the zero test's, or under
+    noise (``row_noise`` = ν / s, ``filtering.noise_scales``) the largest the noise allows for
+    any unit vector, whichever is larger."""
+    per_row = zero_rtol**2 / m
+    if row_noise is not None:
+        per_row = max(per_row, (KERNEL_NOISE_SD * float(row_noise.max())) ** 2)
+    return n_rows * per_row
+
+
 def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
-                    deadline: float | None = None) -> torch.Tensor:
+                    deadline: float | None = None,
+                    row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """Unit columns whose zero rows are exactly a candidate ReLU pattern (B, c).
 
     For each column of ``mask`` (m, P) keep the kernel of L on those rows when it is exactly
@@ -244,37 +275,47 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
     the patterns that fail get their float64 Gram and the exact test. (At B = 210, m = 4000 the
     float64 Grams of every row set of a slice-sampling call took 22 s of 31 s on 2 cores.)
     Past ``deadline`` (a ``time.perf_counter()`` value, checked between chunks of patterns)
-    the patterns not yet screened are skipped.
+    the patterns not yet screened are skipped. Under noise (``row_noise`` = ν / s, see
+    ``filtering.noise_scales``) a kernel is least-squares: its vector v may leave entries of
+    L v of :data:`KERNEL_NOISE_SD` noise stds (the exact test's tolerance alone rejected the
+    true patterns of 64 of 150 samples of a float32 weight difference, each within 1.6 stds).
     """
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
     for cols, gram in masked_grams(L.float(), mask):
         if passed(deadline):
             break
-        near = cols[_may_have_kernel(gram, mask[:, cols].sum(dim=0), zero_rtol, L.shape[0])]
+        near = cols[_may_have_kernel(gram, mask[:, cols].sum(dim=0), zero_rtol, L.shape[0],
+                                     row_noise)]
         if near.numel():
-            out.append(_exact_pattern_kernels(L, mask[:, near], zero_rtol))
+            out.append(_exact_pattern_kernels(L, mask[:, near], zero_rtol, row_noise))
     return torch.cat(out, dim=1).contiguous()
 
 
 def _may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
-                     m: int) -> torch.Tensor:
+                     m: int, row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 screen of :func:`pattern_kernels`: which Gram matrices (k, B, B) of
     ``n_rows`` (k,) rows each may have a kernel the exact test would keep (k,)."""
-    tol = n_rows.to(gram.dtype) * zero_rtol**2 / m
+    tol = _row_tol(n_rows.to(gram.dtype), zero_rtol, m, row_noise)
     shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
     info = [torch.linalg.cholesky_ex(plus_diagonal(gram[blk], -shift[blk]))[1]
             for blk in _blocks(gram.shape[0], gram.device)]
     return torch.cat(info) != 0 if info else torch.zeros(0, dtype=torch.bool, device=gram.device)
 
 
-def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float) -> torch.Tensor:
+def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
+                           row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """The exact test of :func:`pattern_kernels` on the row sets ``mask`` (m, P) that passed
     the screen: their exactly one-dimensional kernels (B, c), from float64 Grams."""
     m = L.shape[0]
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
     for sub, exact in masked_grams(L, mask, default_chunk(L.device)):
-        tol = mask[:, sub].sum(dim=0).to(L.dtype) * zero_rtol**2 / m
-        out.append(_one_dim_kernels(exact, tol))
+        n_rows = mask[:, sub].sum(dim=0).to(L.dtype)
+        tol = _row_tol(n_rows, zero_rtol, m, row_noise)
+        noise_tol = None
+        if row_noise is not None:
+            per = torch.clamp_min((KERNEL_NOISE_SD * row_noise.to(L)) ** 2, zero_rtol**2 / m)
+            noise_tol = n_rows[:, None] * per[None, :]
+        out.append(_one_dim_kernels(exact, tol, noise_tol=noise_tol))
     return torch.cat(out, dim=1)
 
 
@@ -372,6 +413,7 @@ def complete_missing(
     *,
     zero_rtol: float,
     max_vertices: int = 40000,
+    row_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Candidates for the k = B - F columns missing from ``found`` (B, F), k ≤ 3 (B, c).
 
@@ -380,6 +422,7 @@ def complete_missing(
     each cell of their sign arrangement fixes the zero rows of the missing column, whose kernel
     (when one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3
     a plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
+    ``row_noise``: the least-squares kernels of a noisy update (:func:`pattern_kernels`).
     """
     m, B = L.shape
     k = B - found.shape[1]
@@ -402,7 +445,7 @@ def complete_missing(
     mask = mask[:, mask.sum(dim=0) >= B - 1]
     if mask.shape[1] > 1:
         mask = torch.unique(mask, dim=1)
-    return pattern_kernels(L, mask, zero_rtol)
+    return pattern_kernels(L, mask, zero_rtol, row_noise=row_noise)
 
 
 def slice_row_sets(h: torch.Tensor, B: int,
@@ -428,7 +471,8 @@ def slice_row_sets(h: torch.Tensor, B: int,
 def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
                            zero_rtol: float, chunk_elems: int = 2**25,
                            deadline: float | None = None,
-                           prune_at: tuple[float, ...] = (2.0, 3.0, 5.0)) -> torch.Tensor:
+                           prune_at: tuple[float, ...] = (2.0, 3.0, 5.0),
+                           row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pattern_kernels` of the nested row sets of :func:`slice_row_sets` (B, c).
 
     Row set r of point p is ``idx[:lengths[r, p], p]``; sets with fewer than B - 1 rows are
@@ -482,11 +526,13 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
                     seen[r] |= at
                     sel = at & (hi >= B - 1)
                     if bool(sel.any()):
-                        sel[sel.clone()] = _may_have_kernel(gram[sel], hi[sel], zero_rtol, m)
+                        sel[sel.clone()] = _may_have_kernel(gram[sel], hi[sel], zero_rtol, m,
+                                                            row_noise)
                         near[r].append(cols[sel])
             if stage == stops.shape[0] - 1:
                 break
-            alive = _may_have_kernel(gram, lengths[-1, cols], zero_rtol, m) & ~seen[-1]
+            alive = (_may_have_kernel(gram, lengths[-1, cols], zero_rtol, m, row_noise)
+                     & ~seen[-1])
             if not bool(alive.all()):
                 cols, gram, lo = cols[alive], gram[alive], lo[alive]
                 stops, seen = stops[:, alive], seen[:, alive]
@@ -502,7 +548,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
         sets = sets.scatter_(0, rows, True)[:m]
         if sets.shape[1] > 1:
             sets = torch.unique(sets, dim=1)
-        out.append(_exact_pattern_kernels(L, sets, zero_rtol))
+        out.append(_exact_pattern_kernels(L, sets, zero_rtol, row_noise))
     return torch.cat(out, dim=1).contiguous()
 
 
@@ -520,6 +566,7 @@ def sample_missing(
     radius: tuple[float, float] = (1.0, 100.0),
     fractions: tuple[float, ...] = (0.6, 0.75),
     deadline: float | None = None,
+    row_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Candidates for any number k ≥ 1 of columns missing from ``found`` (B, F) (B, c), unique.
 
@@ -563,6 +610,6 @@ def sample_missing(
         w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
     idx, lengths = slice_row_sets(h, B, fractions)
-    Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline)
+    Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline, row_noise=row_noise)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q
 

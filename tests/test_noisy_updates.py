@@ -63,12 +63,12 @@ def test_dp_noise_at_a_tenth_of_the_median_still_leaks_at_b20() -> None:
 def test_a_noisy_update_is_never_marked_exact() -> None:
     """Five noisy DP-SGD steps attacked as a FedAvg sum: that λ only checks that zero rows are
     inactive units, and within the noise tolerance the selected columns all pass, so λ reaches
-    1 while the images are ~35 dB (24 dB on another batch). A noisy update gets PSNR, never
-    the certificate."""
+    1 while the images are ~49 dB (noise at 0.03 x the median; at 0.1 x, seeds 0-4 gave λ
+    0.9975-0.999 at 30-42 dB). A noisy update gets PSNR, never the certificate."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the premise below was measured with one thread
     try:
-        x, dW, db, W0, b0, res = _dp_update(seed=0, noise_frac=0.1, B=20, lr=0.01, epochs=5)
+        x, dW, db, W0, b0, res = _dp_update(seed=4, noise_frac=0.03, B=20, lr=0.01, epochs=5)
         rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, max_seconds=60,
                                update="fedavg")
     finally:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fl_attack import (
     attack,
     clock,
+    config,
     data,
     feasibility,
     filtering,
@@ -433,3 +434,55 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     Qr = torch.randn(20, 500, generator=gen, dtype=G.dtype)
     random = filtering.noisy_sparsity(dec.L @ Qr, filtering.noise_scales(Qr, row_noise))
     assert int(random.max()) < 0.5 * trust
+
+
+def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
+    """Gaussian noise on a real photo batch's gradient (B = 40, m = 1000): the true zero rows
+    of every sample have a kernel within the noise (``row_noise``), where the float tolerance
+    of the clean test drops some of them and takes some two-sample faces for columns; random
+    row sets give nothing either way."""
+    B, m = 40, 1000
+    t = _truth(B, m, seed=0)
+    G = t["L"] @ t["R"]
+    gen = torch.Generator().manual_seed(0)
+    nu = 0.01 * float(G.abs().median())
+    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
+    assert dec.batch_size == B
+    zero_rtol, _ = attack.tolerances(dec, config.AttackConfig(), torch.float32)
+    row_noise = dec.noise_std / dec.singular_values[:B]
+    Qt = dec.L.T @ t["D"]
+    zero = t["D"] == 0  # (m, B) each sample's true zero rows
+    faces = zero[:, : B // 2] & zero[:, B // 2:]  # rows two samples share: 2-d kernels
+    rand = torch.rand(m, 100, generator=gen) < 0.5
+    clean = refine.pattern_kernels(dec.L, zero, zero_rtol)
+    noisy = refine.pattern_kernels(dec.L, zero, zero_rtol, row_noise=row_noise)
+    assert len(_hits(Qt, clean, tol=1e-3)) < B  # the premise: the clean test misses some
+    assert noisy.shape[1] == B and _hits(Qt, noisy, tol=1e-3) == set(range(B))
+    assert refine.pattern_kernels(dec.L, faces, zero_rtol, row_noise=row_noise).shape[1] == 0
+    assert refine.pattern_kernels(dec.L, rand, zero_rtol, row_noise=row_noise).shape[1] == 0
+
+
+def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -> None:
+    """Under noise (B = 40, m = 1000, real photos), columns a few milliradians off the truth
+    come back to the least-squares kernels of their zero rows, several times closer to the
+    true directions; random directions, which have no zero rows to fit, stay far from sparse."""
+    B, m = 40, 1000
+    t = _truth(B, m, seed=0)
+    G = t["L"] @ t["R"]
+    gen = torch.Generator().manual_seed(0)
+    nu = 0.01 * float(G.abs().median())
+    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
+    row_noise = dec.noise_std / dec.singular_values[:B]
+    Qt = filtering.normalize_columns(dec.L.T @ t["D"])
+    off = filtering.normalize_columns(Qt + 3e-3 * torch.randn(Qt.shape, generator=gen,
+                                                              dtype=Qt.dtype))
+    Qr = torch.randn(B, 10, generator=gen, dtype=Qt.dtype)
+    Qr = filtering.normalize_columns(Qr)
+    out = polish.noisy_refit(dec.L, torch.cat([off, Qr], dim=1), row_noise)
+    err_before = 1 - (off * Qt).sum(dim=0).abs()
+    err_after = 1 - (out[:, :B] * Qt).sum(dim=0).abs()
+    assert float(err_after.median()) < 0.2 * float(err_before.median())
+    assert bool(((out[:, :B] * off).sum(dim=0) > 0).all())  # signs kept
+    score = filtering.noisy_sparsity(dec.L @ out, filtering.noise_scales(out, row_noise))
+    trust = attack.NOISY_TRUST * filtering.min_zero_count(m, 1e-5)
+    assert bool((score[:B] >= trust).all()) and int(score[B:].max()) < 0.5 * trust
