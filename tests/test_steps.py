@@ -436,20 +436,26 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     assert int(random.max()) < 0.5 * trust
 
 
+def _noisy_truth(B: int, m: int, frac: float = 0.01):
+    """``_truth`` with Gaussian noise of std ``frac`` x the median |entry| on the gradient:
+    (truth, noisy decomposition, row_noise = ν / s, the generator for more draws)."""
+    t = _truth(B, m, seed=0)
+    G = t["L"] @ t["R"]
+    gen = torch.Generator().manual_seed(0)
+    nu = frac * float(G.abs().median())
+    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
+    return t, dec, dec.noise_std / dec.singular_values[:B], gen
+
+
 def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
     """Gaussian noise on a real photo batch's gradient (B = 40, m = 1000): the true zero rows
     of every sample have a kernel within the noise (``row_noise``), where the float tolerance
     of the clean test drops some of them and takes some two-sample faces for columns; random
     row sets give nothing either way."""
     B, m = 40, 1000
-    t = _truth(B, m, seed=0)
-    G = t["L"] @ t["R"]
-    gen = torch.Generator().manual_seed(0)
-    nu = 0.01 * float(G.abs().median())
-    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
+    t, dec, row_noise, gen = _noisy_truth(B, m)
     assert dec.batch_size == B
     zero_rtol, _ = attack.tolerances(dec, config.AttackConfig(), torch.float32)
-    row_noise = dec.noise_std / dec.singular_values[:B]
     Qt = dec.L.T @ t["D"]
     zero = t["D"] == 0  # (m, B) each sample's true zero rows
     faces = zero[:, : B // 2] & zero[:, B // 2:]  # rows two samples share: 2-d kernels
@@ -467,12 +473,7 @@ def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -
     come back to the least-squares kernels of their zero rows, several times closer to the
     true directions; random directions, which have no zero rows to fit, stay far from sparse."""
     B, m = 40, 1000
-    t = _truth(B, m, seed=0)
-    G = t["L"] @ t["R"]
-    gen = torch.Generator().manual_seed(0)
-    nu = 0.01 * float(G.abs().median())
-    dec = decompose(G + nu * torch.randn(G.shape, generator=gen, dtype=G.dtype), floor_rtol=1e-6)
-    row_noise = dec.noise_std / dec.singular_values[:B]
+    t, dec, row_noise, gen = _noisy_truth(B, m)
     Qt = filtering.normalize_columns(dec.L.T @ t["D"])
     off = filtering.normalize_columns(Qt + 3e-3 * torch.randn(Qt.shape, generator=gen,
                                                               dtype=Qt.dtype))
