@@ -356,21 +356,17 @@ def noisy_refit(L: torch.Tensor, Q: torch.Tensor, row_noise: torch.Tensor, *,
     w = row_noise.to(L)
     B = L.shape[1]
     for _ in range(iters):
-        V = L @ Q
-        mask = V.abs() <= REFIT_ZERO_SD * noise_scales(Q, w)[None, :]
-        enough = mask.sum(dim=0) >= B
+        V, scale = L @ Q, noise_scales(Q, w)
+        mask = V.abs() <= REFIT_ZERO_SD * scale[None, :]
+        live = torch.nonzero(mask.sum(dim=0) >= B).squeeze(1)  # enough rows for a kernel
         new = Q.clone()
-        for cols, gram in masked_grams(L, mask[:, enough], chunk_elems or default_chunk(L.device)):
-            white = gram / (w[:, None] * w[None, :])
-            _, vecs = torch.linalg.eigh(white)
-            v = vecs[:, :, 0] / w  # (k, B)
-            idx = torch.nonzero(enough).squeeze(1)[cols]
-            new[:, idx] = v.T
+        for cols, gram in masked_grams(L, mask[:, live], chunk_elems or default_chunk(L.device)):
+            _, vecs = torch.linalg.eigh(gram / (w[:, None] * w[None, :]))
+            new[:, live[cols]] = (vecs[:, :, 0] / w).T
         new = new / new.norm(dim=0, keepdim=True)
         new = new * torch.where((new * Q).sum(dim=0) < 0, -1.0, 1.0)
         # a column that is no sample's (a wrong batch size under heavy noise) has no zero rows
         # to fit: keep a step only where it makes the column more clearly sparse
-        better = (noisy_sparsity(L @ new, noise_scales(new, w))
-                  >= noisy_sparsity(V, noise_scales(Q, w)))
+        better = noisy_sparsity(L @ new, noise_scales(new, w)) >= noisy_sparsity(V, scale)
         Q = torch.where(better[None, :], new, Q)
     return Q

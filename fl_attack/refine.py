@@ -232,13 +232,12 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3,
             continue
         g, t = g[singular], t[singular]
         theta, V = smallest_ritz_pairs(g, Y[None].expand(g.shape[0], -1, -1))
+        t0 = t1 = t
         if noise_tol is not None:  # tol of each Ritz vector from its own noise
             per = noise_tol[blk][singular]  # (k, B)
             t0 = (V[:, :, 0].square() * per).sum(dim=1)
             t1 = (V[:, :, 1].square() * per).sum(dim=1)
-            out.append(V[:, :, 0][(theta[:, 0] <= t0) & (theta[:, 1] > t1)])
-            continue
-        out.append(V[:, :, 0][(theta[:, 0] <= t) & (theta[:, 1] > t)])
+        out.append(V[:, :, 0][(theta[:, 0] <= t0) & (theta[:, 1] > t1)])
     vec = torch.cat(out)
     return (vec / vec.norm(dim=1, keepdim=True)).T
 
@@ -250,15 +249,18 @@ whose only noise is float32 rounding, true columns with their exact patterns: th
 eigenvalue was 2.2-2.5 x the predicted n_rows x std² (1.5-1.6 stds), the next 10⁶ x above."""
 
 
-def _row_tol(n_rows: torch.Tensor, zero_rtol: float, m: int,
-             row_noise: torch.Tensor | None) -> torch.Tensor:
-    """Eigenvalue tolerance of a Gram matrix of ``n_rows`` rows of L: the zero test's, or under
-    noise (``row_noise`` = ν / s, ``filtering.noise_scales``) the largest the noise allows for
-    any unit vector, whichever is larger."""
-    per_row = zero_rtol**2 / m
-    if row_noise is not None:
-        per_row = max(per_row, (KERNEL_NOISE_SD * float(row_noise.max())) ** 2)
-    return n_rows * per_row
+def _kernel_tols(n_rows: torch.Tensor, zero_rtol: float, m: int,
+                 row_noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eigenvalue tolerances of Gram matrices of ``n_rows`` (k,) rows of L: (one per matrix
+    (k,), per coordinate of a unit vector (k, B) or None). The zero test's, or under noise
+    (``row_noise`` = ν / s, ``filtering.noise_scales``) :data:`KERNEL_NOISE_SD` noise stds per
+    coordinate, whichever is larger; the per-matrix one is then the largest of those (what any
+    unit vector may reach, the screen's)."""
+    floor = zero_rtol**2 / m
+    if row_noise is None:
+        return n_rows * floor, None
+    per = torch.clamp_min((KERNEL_NOISE_SD * row_noise.to(n_rows)) ** 2, floor)  # (B,)
+    return n_rows * per.max(), n_rows[:, None] * per[None, :]
 
 
 def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
@@ -295,7 +297,7 @@ def _may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
                      m: int, row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 screen of :func:`pattern_kernels`: which Gram matrices (k, B, B) of
     ``n_rows`` (k,) rows each may have a kernel the exact test would keep (k,)."""
-    tol = _row_tol(n_rows.to(gram.dtype), zero_rtol, m, row_noise)
+    tol, _ = _kernel_tols(n_rows.to(gram.dtype), zero_rtol, m, row_noise)
     shift = tol + 1e-4 * gram.diagonal(dim1=1, dim2=2).mean(dim=1)
     info = [torch.linalg.cholesky_ex(plus_diagonal(gram[blk], -shift[blk]))[1]
             for blk in _blocks(gram.shape[0], gram.device)]
@@ -309,12 +311,8 @@ def _exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float
     m = L.shape[0]
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
     for sub, exact in masked_grams(L, mask, default_chunk(L.device)):
-        n_rows = mask[:, sub].sum(dim=0).to(L.dtype)
-        tol = _row_tol(n_rows, zero_rtol, m, row_noise)
-        noise_tol = None
-        if row_noise is not None:
-            per = torch.clamp_min((KERNEL_NOISE_SD * row_noise.to(L)) ** 2, zero_rtol**2 / m)
-            noise_tol = n_rows[:, None] * per[None, :]
+        tol, noise_tol = _kernel_tols(mask[:, sub].sum(dim=0).to(L.dtype), zero_rtol, m,
+                                      row_noise)
         out.append(_one_dim_kernels(exact, tol, noise_tol=noise_tol))
     return torch.cat(out, dim=1)
 

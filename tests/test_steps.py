@@ -26,7 +26,7 @@ from fl_attack import (
     search,
     select,
 )
-from fl_attack.decompose import decompose
+from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import make_system
 
 
@@ -436,7 +436,8 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     assert int(random.max()) < 0.5 * trust
 
 
-def _noisy_truth(B: int, m: int, frac: float = 0.01):
+def _noisy_truth(B: int, m: int, frac: float = 0.01
+                 ) -> tuple[dict[str, torch.Tensor], Decomposition, torch.Tensor, torch.Generator]:
     """``_truth`` with Gaussian noise of std ``frac`` x the median |entry| on the gradient:
     (truth, noisy decomposition, row_noise = ν / s, the generator for more draws)."""
     t = _truth(B, m, seed=0)
