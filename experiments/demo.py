@@ -57,15 +57,15 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
              num_cpus: int | None = None, verbose: bool = False) -> dict[str, Any]:
     """Run one audited simulation in this process and return its ``summary.json``.
 
-    ``config`` overrides :data:`strategies.server_app.DEFAULT_RUN_CONFIG`; a ``run-name`` is
+    ``config`` overrides :data:`fl_attack_flwr.server_app.DEFAULT_RUN_CONFIG`; a ``run-name`` is
     generated when missing so that the summary can be found afterwards.
     """
     from flwr.simulation import run_simulation
 
-    from clients.client_app import app as client_app
-    from strategies.server_app import CONFIG_ENV, resolve_run_config
-    from strategies.server_app import app as server_app
-    from strategies.store import new_run_name
+    from fl_attack_flwr.clients.client_app import app as client_app
+    from fl_attack_flwr.server_app import CONFIG_ENV, resolve_run_config
+    from fl_attack_flwr.server_app import app as server_app
+    from fl_attack_flwr.store import new_run_name
 
     cfg = dict(config)
     cfg.setdefault("run-name", new_run_name())
@@ -104,7 +104,7 @@ def _print_summary(summary: dict[str, Any], seconds: float) -> None:
     table.add_column("certified")
     table.add_column("PSNR dB", justify="right")
     table.add_column("attack s", justify="right")
-    from strategies.store import records_from_jsonl
+    from fl_attack_flwr.store import records_from_jsonl
 
     for rec in records_from_jsonl(Path(summary["run_dir"]) / "metrics.jsonl"):
         lam = rec.get("sparsity_match")

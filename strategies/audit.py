@@ -9,7 +9,7 @@ wrapped strategy's; the wrapper only *reads* each training reply before it is ag
 2. run the exact gradient-inversion attack (``fl_attack.invert``, SPEAR++ by default, CUDA when
    available) under a time budget, optionally in a worker process with a hard timeout;
 3. score it against the client's true samples when the simulation runs in audit mode;
-4. store the reconstruction and its metrics (:class:`strategies.store.AuditStore`);
+4. store the reconstruction and its metrics (:class:`fl_attack_flwr.store.AuditStore`);
 5. hand the replies to the wrapped strategy, which aggregates them unchanged, and merge the
    round's audit metrics into the MetricRecord it returns.
 
@@ -57,7 +57,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from strategies.store import AuditStore, ClientAudit
+from fl_attack_flwr.store import AuditStore, ClientAudit
 
 __all__ = [
     "CLIENT_INFO_KEY",

@@ -29,9 +29,9 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from clients.client_app import CLIENT_DEFAULTS
-from strategies.audit import AttackSettings, AuditingStrategy, GroundTruth
-from strategies.store import AuditStore
+from fl_attack_flwr.audit import AttackSettings, AuditingStrategy, GroundTruth
+from fl_attack_flwr.clients.client_app import CLIENT_DEFAULTS
+from fl_attack_flwr.store import AuditStore
 
 __all__ = ["CONFIG_ENV", "DEFAULT_RUN_CONFIG", "app", "resolve_run_config", "run_audit"]
 

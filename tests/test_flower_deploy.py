@@ -19,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from strategies.server_app import DEFAULT_RUN_CONFIG
+from fl_attack_flwr.server_app import DEFAULT_RUN_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def test_docker_compose_parses_and_names_the_services() -> None:
 
 def test_pyproject_run_config_matches_the_app_defaults() -> None:
     flwr = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert flwr["components"] == {"serverapp": "strategies.server_app:app",
-                                  "clientapp": "clients.client_app:app"}
+    assert flwr["components"] == {"serverapp": "fl_attack_flwr.server_app:app",
+                                  "clientapp": "fl_attack_flwr.clients.client_app:app"}
     assert flwr["config"] == DEFAULT_RUN_CONFIG
     assert flwr["config"]["audit"] is False  # ground truth is an explicit audit-only option

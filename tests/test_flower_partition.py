@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients.partition import client_batch, dirichlet_partition, iid_partition, partition
+from fl_attack_flwr.clients.partition import (
+    client_batch,
+    dirichlet_partition,
+    iid_partition,
+    partition,
+)
 
 
 def _check_cover(parts: list[np.ndarray], n: int) -> None:

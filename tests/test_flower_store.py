@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strategies.store import (
+from fl_attack_flwr.store import (
     AuditStore,
     ClientAudit,
     atomic_write_bytes,

@@ -28,8 +28,8 @@ from flwr.serverapp.strategy import FedAvg
 from fl_attack.data import load_images, normalize
 from fl_attack.models import relu_mlp
 from fl_attack.simulate import local_update
-from strategies.audit import AttackSettings, AuditingStrategy, GroundTruth
-from strategies.store import AuditStore
+from fl_attack_flwr.audit import AttackSettings, AuditingStrategy, GroundTruth
+from fl_attack_flwr.store import AuditStore
 
 DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100
 
@@ -262,7 +262,7 @@ def test_disabled_audit_is_a_pure_pass_through(world: dict, task_identity: None)
 def test_fedavg_runs_attack_sums_over_local_steps() -> None:
     """The ServerApp's run config: a FedAvg federation attacks with ``update="fedavg"`` (its
     clients send sums over local steps) unless the run config names another update."""
-    from strategies.server_app import attack_settings, resolve_run_config
+    from fl_attack_flwr.server_app import attack_settings, resolve_run_config
 
     assert attack_settings(resolve_run_config({"protocol": "fedavg"})).options == {
         "update": "fedavg"}
@@ -274,7 +274,7 @@ def test_fedavg_runs_attack_sums_over_local_steps() -> None:
 def test_next_layer_update_is_the_layer_the_attacked_one_feeds() -> None:
     """The strategy gives the attack the update of the linear layer after the attacked one
     (``next_weight_grad``), none after the last layer, and none for FedAvg sums."""
-    from strategies.audit import _next_layer_update
+    from fl_attack_flwr.audit import _next_layer_update
 
     model = relu_mlp(784, WIDTH, 3, seed=0)
     g_state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
