@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.errors import NotIdentifiable
+
 
 @dataclass
 class Decomposition:
@@ -119,13 +121,15 @@ def decompose(
                                    floor_rtol=floor_rtol, max_rank=limit)
     if batch_size is None:
         if rank == 0:
-            raise ValueError("weight_grad has numerical rank 0: nothing to invert")
+            raise NotIdentifiable("weight_grad has numerical rank 0: nothing to invert",
+                                  reason="no-signal", rank=0, limit=limit)
         if rank >= limit:
-            raise ValueError(
+            raise NotIdentifiable(
                 f"weight_grad has full numerical rank {rank} = min(m, n) = {limit} (counting only "
                 f"non-zero rows/columns): the batch is not smaller than the layer (B >= min(m, n))"
-                f" or the noise swamps the signal, so the batch is not identifiable from this layer"
-            )
+                " or the noise swamps the signal, so the batch is not identifiable from this "
+                "layer",
+                reason="full-rank", rank=rank, limit=limit)
         B = rank
     else:
         if batch_size >= limit:
