@@ -45,33 +45,21 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from fl_attack_flwr.clients.partition import client_batch, partition
+from fl_attack_flwr.protocol import (
+    CLIENT_DEFAULTS,
+    CLIENT_INFO_KEY,
+    DELTA_KEY,
+    EPSILON_CUMULATIVE_KEY,
+    EPSILON_KEY,
+    NOISE_STD_KEY,
+    NUM_EXAMPLES_KEY,
+    PARTITION_ID_KEY,
+    SAMPLE_INDICES_KEY,
+    parse_faults,
+)
 
-__all__ = ["CLIENT_DEFAULTS", "FAULT_MODES", "app", "client_config", "parse_faults"]
+__all__ = ["app", "client_config"]
 
-#: Client-side defaults (the ServerApp normally sends all of these).
-CLIENT_DEFAULTS: dict[str, Any] = {
-    "protocol": "fedsgd",
-    "dataset": "mnist",
-    "dataset-size": 1000,
-    "data-seed": 0,
-    "partitioning": "iid",
-    "dirichlet-alpha": 0.5,
-    "batch-size": 16,
-    "mini-batch-size": 0,
-    "local-epochs": 1,
-    "lr": 0.01,
-    "width": 200,
-    "depth": 3,
-    "clip": 1.0,
-    "noise-multiplier": 0.0,
-    "delta": 1e-5,
-    "audit": False,
-    "eval-size": 64,
-    "client-threads": 1,
-    "inject-faults": "",
-}
-
-FAULT_MODES = ("raise", "nan", "shape", "missing", "zero")
 NUM_CLASSES = 10
 
 app = ClientApp()
@@ -85,18 +73,6 @@ def client_config(message: Message | None, context: Context) -> dict[str, Any]:
         for record in message.content.config_records.values():
             cfg.update(dict(record))
     return cfg
-
-
-def parse_faults(spec: str) -> dict[int, str]:
-    """``"1:raise 2:nan"`` -> ``{1: "raise", 2: "nan"}`` (``ValueError`` on bad syntax)."""
-    faults: dict[int, str] = {}
-    for item in str(spec or "").replace(",", " ").split():
-        pid, _, mode = item.partition(":")
-        if not pid.strip().isdigit() or mode not in FAULT_MODES:
-            raise ValueError(f"bad inject-faults item {item!r}; use '<partition>:<mode>' with "
-                             f"mode in {FAULT_MODES}")
-        faults[int(pid)] = mode
-    return faults
 
 
 def _partition_of(context: Context) -> tuple[int, int]:
@@ -147,6 +123,9 @@ def _local_data(cfg: Mapping[str, Any], context: Context, server_round: int,
     shard = _shards(name, size, seed, nparts, str(cfg["partitioning"]),
                     float(cfg["dirichlet-alpha"]))[pid]
     if train:
+        if int(cfg["batch-size"]) > len(shard):
+            raise ValueError(f"batch-size {cfg['batch-size']} exceeds this client's shard of "
+                             f"{len(shard)} samples (partition {pid})")
         idx = client_batch(shard, int(cfg["batch-size"]), seed=seed, server_round=server_round,
                            partition_id=pid)
     else:
@@ -235,22 +214,22 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(result.state_dict)
     with torch.no_grad():
         loss = float(torch.nn.functional.cross_entropy(model(x), y))
-    metrics: dict[str, Any] = {"num-examples": int(result.num_examples), "train-loss": loss}
+    metrics: dict[str, Any] = {NUM_EXAMPLES_KEY: int(result.num_examples), "train-loss": loss}
     if protocol == "dpsgd":
         n = int(x.shape[0])
         rate = (min(mini, n) / n) if mini > 0 else 1.0
         eps_cum = _cumulative_epsilon(context, float(cfg["noise-multiplier"]), rate,
                                       int(result.steps), float(cfg["delta"]))
-        metrics.update({"epsilon": float(result.epsilon), "epsilon-cumulative": eps_cum,
-                        "delta": float(result.delta), "noise-std": float(result.noise_std)})
-    info: dict[str, Any] = {"partition-id": pid}
+        metrics.update({EPSILON_KEY: float(result.epsilon), EPSILON_CUMULATIVE_KEY: eps_cum,
+                        DELTA_KEY: float(result.delta), NOISE_STD_KEY: float(result.noise_std)})
+    info: dict[str, Any] = {PARTITION_ID_KEY: pid}
     if bool(cfg["audit"]):
-        info["sample-indices"] = [int(i) for i in idx]
+        info[SAMPLE_INDICES_KEY] = [int(i) for i in idx]
     arrays = ArrayRecord(result.state_dict)
     if pid in faults:
         arrays = _inject(faults[pid], arrays, global_arrays)
     content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics),
-                          "client-info": ConfigRecord(info)})
+                          CLIENT_INFO_KEY: ConfigRecord(info)})
     return Message(content=content, reply_to=msg)
 
 
@@ -266,6 +245,6 @@ def evaluate(msg: Message, context: Context) -> Message:
         logits = model(x)
         loss = float(torch.nn.functional.cross_entropy(logits, y))
         acc = float((logits.argmax(dim=1) == y).double().mean())
-    metrics = MetricRecord({"num-examples": int(x.shape[0]), "eval-loss": loss,
+    metrics = MetricRecord({NUM_EXAMPLES_KEY: int(x.shape[0]), "eval-loss": loss,
                             "eval-acc": acc})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

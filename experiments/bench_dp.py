@@ -577,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if any(c <= 0 for c in args.clips) or any(f < 0 for f in args.fracs):
         parser.error("--clips must be > 0 and --fracs >= 0")
 
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     steps = ("One Opacus DP-SGD step" if args.epochs == 1 else
              f"{args.epochs} Opacus DP-SGD steps (each clipped and noised; σ from the first)")
     given = (" given the true B (`batch_size=B`, as from the num-examples a client reports)"

@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if any(e < 1 for e in args.epochs) or any(lr <= 0 for lr in args.lrs):
         parser.error("--epochs must be >= 1 and --lrs > 0")
 
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     cmd = "python -m experiments.bench_fedavg " + " ".join(sys.argv[1:] if argv is None else argv)
     section = [
         f"## {started:%Y-%m-%d %H:%M} UTC — `{cmd.strip()}`",

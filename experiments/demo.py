@@ -1,25 +1,28 @@
-"""``make demo``: a small audited federation on real data, then its summary and report path.
+"""``make demo``: a small audited federation on real data, then its verdict and report path.
 
 Three clients train a ReLU MLP (3 hidden layers of width 200) on real photographs cut into
 CIFAR-10-shaped 32x32 crops (``photos32``, offline) with FedSGD for two rounds, batch size 16;
-the server wraps FedAvg in the privacy audit, inverts every update (SPEAR++) and scores the
-reconstructions against the clients' true batches (audit mode). It runs on Flower's
-simulation engine (Ray) in-process via ``flwr.simulation.run_simulation``: no SuperLink, no
-ports, nothing left running afterwards, and it works offline. ``run_simulation`` passes an empty
-run config, so the configuration travels in ``$FL_ATTACK_RUN_CONFIG`` (see
-``strategies/server_app.py``).
+the server wraps FedAvg in the privacy audit, inverts every update (SPEAR++, on a pool of worker
+processes) and scores the reconstructions against the clients' true batches (audit mode). It
+runs on Flower's simulation engine (Ray) in-process via ``flwr.simulation.run_simulation``: no
+SuperLink, no ports, nothing left running afterwards, and it works offline.
+``run_simulation`` passes an empty run config, so the configuration travels in
+``$FL_ATTACK_RUN_CONFIG`` (see ``strategies/run_config.py``).
 
     .venv/bin/python -m experiments.demo                      # the default demo
     .venv/bin/python -m experiments.demo --set dataset=mnist --set protocol=fedavg
     .venv/bin/python -m experiments.demo --json               # machine-readable summary only
+    .venv/bin/python -m experiments.demo --quiet              # the verdict and table only
 
-Exit status: 0 when the run completed and wrote its summary, 1 otherwise.
+The configuration is checked before anything runs: a bad setting exits with status 2 and a
+message naming it. Exit status 0 when the run completed and wrote its summary, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -41,6 +44,7 @@ DEMO_CONFIG: dict[str, Any] = {
     "audit": True,
     "max-seconds": 120.0,
     "attack-timeout": 600.0,
+    "audit-executor": "pool",
     "output-dir": str(ROOT / "runs"),
 }
 
@@ -53,24 +57,39 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def checked_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` over the defaults, checked (``RunConfigError`` names every bad key)."""
+    from fl_attack_flwr.run_config import CONFIG_ENV, check_run_config, resolve_run_config
+
+    saved = os.environ.get(CONFIG_ENV)
+    os.environ[CONFIG_ENV] = json.dumps(config)
+    try:
+        return check_run_config(resolve_run_config({}))
+    finally:
+        if saved is None:
+            os.environ.pop(CONFIG_ENV, None)
+        else:
+            os.environ[CONFIG_ENV] = saved
+
+
 def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
              num_cpus: int | None = None, verbose: bool = False) -> dict[str, Any]:
     """Run one audited simulation in this process and return its ``summary.json``.
 
-    ``config`` overrides :data:`fl_attack_flwr.server_app.DEFAULT_RUN_CONFIG`; a ``run-name`` is
-    generated when missing so that the summary can be found afterwards.
+    ``config`` overrides :data:`fl_attack_flwr.run_config.DEFAULT_RUN_CONFIG`; it is checked
+    first (``RunConfigError``). A ``run-name`` is generated when missing so that the summary
+    can be found afterwards.
     """
     from flwr.simulation import run_simulation
 
     from fl_attack_flwr.clients.client_app import app as client_app
-    from fl_attack_flwr.server_app import CONFIG_ENV, resolve_run_config
+    from fl_attack_flwr.run_config import CONFIG_ENV
     from fl_attack_flwr.server_app import app as server_app
     from fl_attack_flwr.store import new_run_name
 
     cfg = dict(config)
     cfg.setdefault("run-name", new_run_name())
-    os.environ[CONFIG_ENV] = json.dumps(cfg)
-    resolved = resolve_run_config({})
+    resolved = checked_config(cfg)
     nodes = int(num_supernodes or resolved["num-clients"])
     cpus = int(num_cpus or os.cpu_count() or 2)
     backend = {
@@ -79,6 +98,7 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
                       "logging_level": "ERROR", "log_to_driver": True},
     }
     run_dir = Path(str(resolved["output-dir"])).expanduser().absolute() / str(resolved["run-name"])
+    os.environ[CONFIG_ENV] = json.dumps(cfg)
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
                        backend_config=backend, verbose_logging=verbose)
@@ -86,7 +106,7 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
         os.environ.pop(CONFIG_ENV, None)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
-        raise RuntimeError(f"the simulation wrote no summary ({summary_path})")
+        raise RuntimeError(f"the simulation wrote no summary ({summary_path}); see the log")
     return json.loads(summary_path.read_text())
 
 
@@ -94,34 +114,34 @@ def _print_summary(summary: dict[str, Any], seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    table = Table(title=f"Privacy audit {summary['run_name']} ({seconds:.0f} s)")
-    table.add_column("round")
-    table.add_column("client")
-    table.add_column("status")
-    table.add_column("B", justify="right")
-    table.add_column("λ", justify="right")
-    table.add_column("certified")
-    table.add_column("PSNR dB", justify="right")
-    table.add_column("attack s", justify="right")
     from fl_attack_flwr.store import records_from_jsonl
 
+    console = Console()
+    table = Table(title=f"Privacy audit {summary['run_name']} ({seconds:.0f} s)")
+    for name, justify in (("round", "left"), ("client", "left"), ("status", "left"),
+                          ("B", "right"), ("λ", "right"), ("PSNR dB", "right"),
+                          ("attack s", "right")):
+        table.add_column(name, justify=justify)
     for rec in records_from_jsonl(Path(summary["run_dir"]) / "metrics.jsonl"):
-        lam = rec.get("sparsity_match")
-        psnr = rec.get("psnr_mean")
-        secs = rec.get("attack_seconds")
-        table.add_row(
-            str(rec["server_round"]), str(rec.get("partition_id")), rec["status"],
-            str(rec.get("batch_size") or "–"), "–" if lam is None else f"{lam:.4f}",
-            "yes" if rec.get("exact") else "no", "–" if psnr is None else f"{psnr:.1f}",
-            "–" if secs is None else f"{secs:.1f}",
-        )
+        lam, psnr, secs = rec.get("sparsity_match"), rec.get("psnr_mean"), rec.get("attack_seconds")
+        table.add_row(str(rec["server_round"]), str(rec.get("client")), rec["status"],
+                      str(rec.get("batch_size") or "–"), "–" if lam is None else f"{lam:.4f}",
+                      "–" if psnr is None else f"{psnr:.1f}",
+                      "–" if secs is None else f"{secs:.1f}")
     console.print(table)
-    keys = ("reconstructions", "certified_exact", "psnr_mean", "lambda_mean", "epsilon",
-            "attack_failures", "corrupt_replies", "client_errors", "attack_seconds_total")
-    for k in keys:
-        console.print(f"  {k:22s} {summary.get(k)}")
-    console.print(f"\n[bold]Report:[/bold] {summary['report']}")
+    colour = {"leak": "red", "some": "yellow", "safe": "green"}.get(summary["verdict_level"],
+                                                                    "white")
+    console.print(f"[bold {colour}]Verdict:[/] {summary['verdict']}")
+    console.print(f"[bold]Report:[/bold] {summary['report']}")
+
+
+def _quiet() -> None:
+    """Only warnings from Flower, Ray and the attack; no per-round progress."""
+    from flwr.supercore.logger import update_console_handler
+
+    update_console_handler(level=logging.WARNING)
+    for name in ("fl_attack", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a run-config key (repeatable), e.g. --set protocol=fedavg")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    parser.add_argument("--quiet", action="store_true", help="print the verdict and table only")
     parser.add_argument("--verbose", action="store_true", help="Flower debug logging")
     args = parser.parse_args(argv)
     config = dict(DEMO_CONFIG)
@@ -138,9 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
         config[key.strip()] = _parse_value(value.strip())
+    from fl_attack_flwr.run_config import RunConfigError
+
+    if args.quiet or args.json:
+        _quiet()
     t0 = time.time()
     try:
         summary = simulate(config, verbose=args.verbose)
+    except RunConfigError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - report and exit non-zero
         print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

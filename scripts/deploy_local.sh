@@ -105,6 +105,13 @@ wait_port() {
 }
 
 cd "$ROOT"
+# Small by default: one round, batch 8, width 100, MNIST; audit off (a real deployment has no
+# ground truth). RUN_CONFIG is appended, so it overrides these.
+BASE_CONFIG="num-server-rounds=1 num-clients=$NUM_NODES batch-size=8 width=100 dataset='mnist' dataset-size=400 max-seconds=60.0 audit=false output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
+# A bad setting fails here, naming the key, before any process starts.
+"$BIN/python" -m fl_attack_flwr.run_config "$BASE_CONFIG" "${RUN_CONFIG:-}" || {
+    log "invalid run config: nothing was started"; exit 2; }
+
 LINK_PORT="$(free_port)"
 log "FLWR_HOME=$FLWR_HOME, SuperLink on 127.0.0.1:$LINK_PORT, $NUM_NODES SuperNodes"
 
@@ -128,13 +135,12 @@ address = "127.0.0.1:$LINK_PORT"
 insecure = true
 EOF
 
-# Small by default: one round, batch 8, width 100, MNIST; audit off (a real deployment has no
-# ground truth). RUN_CONFIG is appended, so it overrides these.
-BASE_CONFIG="num-server-rounds=1 num-clients=$NUM_NODES batch-size=8 width=100 dataset='mnist' dataset-size=400 max-seconds=60.0 output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
 log "flwr run . deploy-local --stream (run-name $RUN_NAME)"
 set +e
-timeout "$TIMEOUT" "$BIN/flwr" run . deploy-local --stream \
-    --run-config "$BASE_CONFIG ${RUN_CONFIG:-}" 2>&1 | tee "$WORK/flwr-run.log" >&2
+RUN_ARGS=(--run-config "$BASE_CONFIG")
+[[ -n "${RUN_CONFIG:-}" ]] && RUN_ARGS+=(--run-config "$RUN_CONFIG")
+timeout "$TIMEOUT" "$BIN/flwr" run . deploy-local --stream "${RUN_ARGS[@]}" 2>&1 \
+    | tee "$WORK/flwr-run.log" >&2
 run_rc=${PIPESTATUS[0]}
 set -e
 if ((run_rc != 0)); then
@@ -170,8 +176,9 @@ fi
 "$BIN/python" - "$summary" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
-keys = ("status", "reconstructions", "certified_exact", "psnr_mean", "lambda_mean", "epsilon")
+keys = ("status", "reconstructions", "certified", "protected", "psnr_mean", "epsilon")
 print("[deploy-local] " + ", ".join(f"{k}={s.get(k)}" for k in keys), file=sys.stderr)
+print("[deploy-local] verdict: " + str(s.get("verdict")), file=sys.stderr)
 sys.exit(0 if s.get("status") == "completed" else 1)
 EOF
 log "artifacts: $OUTPUT_DIR/$RUN_NAME (report: $OUTPUT_DIR/$RUN_NAME/report.html)"

@@ -1,0 +1,29 @@
+"""fl_attack_flwr: audit a Flower federation with exact gradient inversion (SPEAR, SPEAR++).
+
+Wrap your strategy and the server attacks every client update it receives::
+
+    from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore
+
+    strategy = AuditingStrategy(FedAvg(), store=AuditStore("runs"),
+                                attack=AttackSettings(max_seconds=60))
+
+The names are loaded on first use, so that attack worker processes, which import this package,
+do not pay for Flower's imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["AttackSettings", "AuditStore", "AuditingStrategy", "ClientAudit", "GroundTruth",
+           "InputView", "verdicts"]
+
+_WHERE = {"AttackSettings": "settings", "AuditStore": "store", "AuditingStrategy": "audit",
+          "ClientAudit": "store", "GroundTruth": "scoring", "InputView": "scoring"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"fl_attack_flwr.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'fl_attack_flwr' has no attribute {name!r}")

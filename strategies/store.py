@@ -1,31 +1,32 @@
-"""Private, crash-safe storage of an audit run, and its self-contained HTML report.
+"""Private, crash-safe storage of an audit run.
 
 Reconstructions are the clients' private data, so everything here is owner-only (directories
-``0700``, files ``0600``) and written atomically (temp file in the same directory, ``fsync``,
-``os.replace``, ``fsync`` of the directory): a crash never leaves a half-written file, and a
-reader never sees one. A run directory is created with ``exist_ok=False`` semantics, so a second
-run can never overwrite the first.
+``0700``, files ``0600``). Files are written atomically (temp file in the same directory,
+``fsync``, ``os.replace``, ``fsync`` of the directory): a crash never leaves a half-written file,
+and a reader never sees one. ``metrics.jsonl`` is appended one whole line per ``write`` and
+``fsync``-ed, so a long run costs the same per record; a reader skips an incomplete last line
+(:func:`records_from_jsonl`). A run directory is created with ``exist_ok=False`` semantics, so a
+second run can never overwrite the first. The report is rendered by ``strategies/report.py``.
 
 Layout of ``<output-dir>/<run-name>/``::
 
     config.json                      the run configuration
-    metrics.jsonl                    one JSON line per (round, client)
-    round-<r>/client-<pid>/
+    metrics.jsonl                    one JSON line per (round, client), appended as results land
+    round-<r>/<client label>/
         reconstruction.png           grid of the reconstructed images (denormalised)
         original.png                 grid of the client's true images (audit mode only)
         inputs.npz                   raw reconstructed layer inputs (+ matching, indices)
         metrics.json                 the client's line of metrics.jsonl
-    summary.json                     totals (reconstructions, certified_exact, psnr_mean, epsilon)
-    report.html                      images beside originals, metrics table, plot (base64 inline)
+    rounds.jsonl                     one JSON line per round (timings, aggregated metrics)
+    summary.json                     totals and the verdict
+    report.html                      verdict, images beside originals, tables, plots (inline)
 
 Nothing in this module imports Flower: the strategy hands it plain :class:`ClientAudit` records.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import html
 import io
 import json
 import math
@@ -41,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from fl_attack_flwr import verdicts
+
 __all__ = [
     "AuditStore",
     "ClientAudit",
@@ -48,6 +51,7 @@ __all__ = [
     "image_grid",
     "jsonable",
     "new_run_name",
+    "png_bytes",
     "records_from_jsonl",
 ]
 
@@ -55,8 +59,6 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-#: Status values of a :class:`ClientAudit`.
-STATUSES = ("ok", "attack-error", "timeout", "corrupt", "client-error", "no-update")
 
 
 # --------------------------------------------------------------------------- low-level I/O
@@ -181,7 +183,7 @@ def image_grid(images: np.ndarray, *, ncols: int | None = None, pad: int = 2,
     return (grid * 255.0 + 0.5).astype(np.uint8)
 
 
-def _png_bytes(rgb: np.ndarray) -> bytes:
+def png_bytes(rgb: np.ndarray) -> bytes:
     """Encode an ``(H, W, 3)`` uint8 image as PNG (matplotlib's writer, no pyplot state)."""
     from matplotlib import image as mpimg
 
@@ -197,18 +199,25 @@ def _png_bytes(rgb: np.ndarray) -> bytes:
 class ClientAudit:
     """What the server learned about one client's update in one round.
 
-    Array fields are optional and never go to ``metrics.jsonl`` (only to the client directory):
-    ``inputs`` are the reconstructed layer inputs ``(B, n)``; ``recon_images`` / ``original_images``
-    are ``(B, C, H, W)`` in ``[0, 1]``, the reconstructions put in the originals' order when the
-    ground truth is known.
+    ``status`` is one of ``verdicts.STATUSES``, with ``reason`` in plain words where the status
+    needs one. Array fields never go to ``metrics.jsonl`` (only to the client directory):
+    ``inputs`` are the reconstructed layer inputs ``(B, n)``; ``recon_images`` /
+    ``original_images`` are ``(B, C, H, W)`` in ``[0, 1]``, the reconstructions put in the
+    originals' order when the ground truth is known.
     """
 
     server_round: int
     node_id: int
     partition_id: int | None = None
-    status: str = "ok"
+    label: str | None = None
+    status: str = verdicts.PENDING
+    reason: str | None = None
     error: str | None = None
     protocol: str | None = None
+    reading: str | None = None
+    layer: str | None = None
+    layer_shape: list[int] | None = None
+    inputs_are: str | None = None
     num_examples: int | None = None
     batch_size: int | None = None
     true_batch_size: int | None = None
@@ -218,7 +227,6 @@ class ClientAudit:
     attack_seconds: float | None = None
     psnr: list[float] | None = None
     psnr_mean: float | None = None
-    ssim_mean: float | None = None
     epsilon: float | None = None
     epsilon_cumulative: float | None = None
     delta: float | None = None
@@ -229,27 +237,37 @@ class ClientAudit:
     recon_images: np.ndarray | None = field(default=None, repr=False)
     original_images: np.ndarray | None = field(default=None, repr=False)
     matching: np.ndarray | None = field(default=None, repr=False)
+    dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"unknown status {self.status!r}; expected one of {STATUSES}")
+        if self.status not in verdicts.STATUSES:
+            raise ValueError(f"unknown status {self.status!r}; expected one of "
+                             f"{verdicts.STATUSES}")
 
     @property
     def client_label(self) -> str:
-        """``client-<partition-id>``, or ``node-<node-id>`` when the client did not say."""
+        """``client-<partition-id>``, the label the strategy gave, or ``node-<node-id>``."""
         if self.partition_id is not None:
             return f"client-{self.partition_id}"
-        return f"node-{self.node_id}"
+        return self.label or f"node-{self.node_id}"
+
+    @property
+    def reconstructed(self) -> bool:
+        """Whether the record holds a reconstruction (certified, not certified or partial)."""
+        return self.status in verdicts.RECONSTRUCTED
 
     def metrics(self) -> dict[str, Any]:
         """The JSON-safe line written to ``metrics.jsonl`` (no arrays, no sample indices)."""
         keys = (
-            "server_round", "partition_id", "node_id", "status", "error", "protocol",
-            "num_examples", "batch_size", "true_batch_size", "sparsity_match", "exact",
-            "n_directions", "attack_seconds", "psnr_mean", "psnr", "ssim_mean", "epsilon",
-            "epsilon_cumulative", "delta", "noise_std", "attack",
+            "server_round", "partition_id", "node_id", "status", "reason", "error", "protocol",
+            "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
+            "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
+            "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std", "attack",
+            "dir",
         )
-        return jsonable({k: getattr(self, k) for k in keys})
+        line = {k: getattr(self, k) for k in keys}
+        line["client"] = self.client_label
+        return jsonable(line)
 
 
 # --------------------------------------------------------------------------- the store
@@ -258,11 +276,15 @@ class ClientAudit:
 class AuditStore:
     """Owner-only directory of one audit run; see the module docstring for the layout.
 
-    Args:
-        output_dir: parent directory (created ``0700`` if missing; an existing one is left as is).
-        run_name: the run's directory name; default :func:`new_run_name`. The directory must not
-            exist: ``FileExistsError`` otherwise (a second run never overwrites the first).
-        config: the run configuration, written to ``config.json`` and shown in the report.
+    Parameters
+    ----------
+    output_dir : path
+        Parent directory (created ``0700`` if missing; an existing one is left as it is).
+    run_name : str, optional
+        The run's directory name; default :func:`new_run_name`. The directory must not exist:
+        ``FileExistsError`` otherwise (a second run never overwrites the first).
+    config : mapping, optional
+        The run configuration, written to ``config.json`` and shown in the report.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str] = "runs", run_name: str | None = None,
@@ -281,9 +303,8 @@ class AuditStore:
         self.rounds: dict[int, dict[str, Any]] = {}
         self.started = time.time()
         atomic_write_bytes(self.run_dir / "config.json", _dumps(self.config, indent=2).encode())
-        atomic_write_bytes(self.run_dir / "metrics.jsonl", b"")  # exists even with no record
-
-    # ------------------------------------------------------------------ writing
+        for name in ("metrics.jsonl", "rounds.jsonl"):  # exist even with no line
+            atomic_write_bytes(self.run_dir / name, b"")
 
     def client_dir(self, record: ClientAudit) -> Path:
         """Create (``0700``) and return a fresh directory for ``record``.
@@ -303,16 +324,19 @@ class AuditStore:
         raise RuntimeError(f"too many records named {base} in round {record.server_round}")
 
     def add(self, record: ClientAudit) -> Path:
-        """Store one client's result: its directory, and a line in ``metrics.jsonl``."""
+        """Store one client's result: its directory, and a line appended to ``metrics.jsonl``.
+
+        The line's ``dir`` is the directory actually written (``client-3-2`` when ``client-3``
+        was taken).
+        """
         cdir = self.client_dir(record)
-        line = record.metrics()
-        line["dir"] = str(cdir.relative_to(self.run_dir))
+        record.dir = str(cdir.relative_to(self.run_dir))
         if record.recon_images is not None:
             atomic_write_bytes(cdir / "reconstruction.png",
-                               _png_bytes(image_grid(record.recon_images)))
+                               png_bytes(image_grid(record.recon_images)))
         if record.original_images is not None:
             atomic_write_bytes(cdir / "original.png",
-                               _png_bytes(image_grid(record.original_images)))
+                               png_bytes(image_grid(record.original_images)))
         if record.inputs is not None:
             arrays: dict[str, np.ndarray] = {"inputs": np.asarray(record.inputs)}
             if record.matching is not None:
@@ -322,234 +346,49 @@ class AuditStore:
             buf = io.BytesIO()
             np.savez_compressed(buf, **arrays)
             atomic_write_bytes(cdir / "inputs.npz", buf.getvalue())
+        line = record.metrics()
         atomic_write_bytes(cdir / "metrics.json", _dumps(line, indent=2).encode())
         self.records.append(record)
-        self._rewrite_jsonl()
+        append_line(self.run_dir / "metrics.jsonl", _dumps(line))
         return cdir
 
     def add_round(self, server_round: int, info: Mapping[str, Any]) -> None:
-        """Remember round-level facts (wall time, aggregated metrics) for the summary/report."""
-        self.rounds.setdefault(int(server_round), {}).update(jsonable(dict(info)))
-
-    def _rewrite_jsonl(self) -> None:
-        lines = []
-        for rec in self.records:
-            line = rec.metrics()
-            line["dir"] = f"round-{rec.server_round}/{rec.client_label}"
-            lines.append(_dumps(line))
-        text = "".join(line + "\n" for line in lines)
-        atomic_write_bytes(self.run_dir / "metrics.jsonl", text.encode())
-
-    # ------------------------------------------------------------------ summary + report
-
-    def summary(self) -> dict[str, Any]:
-        """Totals over the run (JSON-safe). ``psnr_mean`` is ``None`` without ground truth;
-        ``epsilon`` is the largest cumulative ε any client reported (``None`` without DP)."""
-        ok = [r for r in self.records if r.status == "ok"]
-        psnrs = [r.psnr_mean for r in ok if r.psnr_mean is not None]
-        lams = [r.sparsity_match for r in ok if r.sparsity_match is not None]
-        eps_values = [
-            r.epsilon_cumulative if r.epsilon_cumulative is not None else r.epsilon
-            for r in self.records
-        ]
-        eps_values = [e for e in eps_values if e is not None]
-        deltas = [r.delta for r in self.records if r.delta is not None]
-        finite_psnr = [p for p in psnrs if math.isfinite(p)]
-        summary: dict[str, Any] = {
-            "run_name": self.run_name,
-            "run_dir": str(self.run_dir),
-            "rounds": len({r.server_round for r in self.records} | set(self.rounds)),
-            "clients": len({r.client_label for r in self.records}),
-            "replies": len(self.records),
-            "reconstructions": len(ok),
-            "certified_exact": sum(1 for r in ok if r.exact),
-            "attack_failures": sum(1 for r in self.records
-                                   if r.status in ("attack-error", "timeout", "no-update")),
-            "corrupt_replies": sum(1 for r in self.records if r.status == "corrupt"),
-            "client_errors": sum(1 for r in self.records if r.status == "client-error"),
-            "psnr_mean": (float(np.mean(finite_psnr)) if finite_psnr else None),
-            "psnr_min": (float(np.min(finite_psnr)) if finite_psnr else None),
-            "lambda_mean": (float(np.mean(lams)) if lams else None),
-            "attack_seconds_total": float(sum(r.attack_seconds or 0.0 for r in self.records)),
-            "epsilon": (max(eps_values) if eps_values else None),
-            "delta": (max(deltas) if deltas else None),
-            "protocol": self.config.get("protocol"),
-            "dataset": self.config.get("dataset"),
-            "wall_seconds": time.time() - self.started,
-            "per_round": {str(k): v for k, v in sorted(self.rounds.items())},
-            "report": str(self.run_dir / "report.html"),
-        }
-        return jsonable(summary)
+        """Record round-level facts (wall time, aggregated metrics) and append them."""
+        entry = self.rounds.setdefault(int(server_round), {})
+        entry.update(jsonable(dict(info)))
+        append_line(self.run_dir / "rounds.jsonl", _dumps({"round": int(server_round), **entry}))
 
     def finalize(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write ``summary.json`` and ``report.html``; return the summary."""
-        summary = self.summary()
+        from fl_attack_flwr.report import render_report, summarize
+
+        summary = summarize(self.records, self.rounds, self.config, run_name=self.run_name,
+                            run_dir=self.run_dir, wall_seconds=time.time() - self.started)
         if extra:
             summary.update(jsonable(dict(extra)))
         atomic_write_bytes(self.run_dir / "summary.json", _dumps(summary, indent=2).encode())
-        atomic_write_bytes(self.run_dir / "report.html", self._report_html(summary).encode())
+        page = render_report(summary, self.records, self.rounds, self.config)
+        atomic_write_bytes(self.run_dir / "report.html", page.encode())
         return summary
 
-    def _plot_png(self) -> bytes | None:
-        """Per-round mean PSNR / λ / attack seconds (matplotlib Figure, no pyplot state)."""
-        ok = [r for r in self.records if r.status == "ok"]
-        if not ok:
-            return None
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
-        rounds = sorted({r.server_round for r in ok})
-
-        def per_round(attr: str) -> list[float]:
-            out = []
-            for rd in rounds:
-                vals = [getattr(r, attr) for r in ok if r.server_round == rd
-                        and getattr(r, attr) is not None and math.isfinite(getattr(r, attr))]
-                out.append(float(np.mean(vals)) if vals else float("nan"))
-            return out
-
-        has_psnr = any(r.psnr_mean is not None for r in ok)
-        panels = [("sparsity_match", "mean λ (1 = certified)"),
-                  ("attack_seconds", "attack seconds per client")]
-        if has_psnr:
-            panels.insert(0, ("psnr_mean", "mean PSNR [dB]"))
-        fig = Figure(figsize=(4.0 * len(panels), 3.0), dpi=100)
-        FigureCanvasAgg(fig)
-        for i, (attr, title) in enumerate(panels):
-            ax = fig.add_subplot(1, len(panels), i + 1)
-            for r in ok:  # every client as a dot, the round mean as a line
-                v = getattr(r, attr)
-                if v is not None and math.isfinite(v):
-                    ax.plot(r.server_round, v, "o", color="tab:blue", alpha=0.4, ms=4)
-            ax.plot(rounds, per_round(attr), "-", color="tab:red", lw=2)
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("round")
-            ax.set_xticks(rounds)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-
-    def _report_html(self, summary: Mapping[str, Any]) -> str:
-        """A single self-contained HTML page (images inline as base64 data URIs)."""
-        esc = html.escape
-
-        def fmt(v: Any, digits: int = 2) -> str:
-            if v is None:
-                return "–"
-            if isinstance(v, bool):
-                return "yes" if v else "no"
-            if isinstance(v, float):
-                return f"{v:.{digits}f}" if math.isfinite(v) else ("∞" if v > 0 else "−∞")
-            return esc(str(v))
-
-        def img(png: bytes, alt: str) -> str:
-            data = base64.b64encode(png).decode()
-            return f'<img alt="{esc(alt)}" src="data:image/png;base64,{data}">'
-
-        dp = any(r.epsilon is not None for r in self.records)
-        gt = any(r.psnr_mean is not None for r in self.records)
-        head = [
-            ("run", summary.get("run_name")), ("protocol", summary.get("protocol")),
-            ("dataset", summary.get("dataset")), ("rounds", summary.get("rounds")),
-            ("clients", summary.get("clients")),
-            ("reconstructions", summary.get("reconstructions")),
-            ("certified exact (λ = 1)", summary.get("certified_exact")),
-            ("mean λ", summary.get("lambda_mean")),
-            ("mean PSNR [dB]", summary.get("psnr_mean") if gt else "no ground truth (audit off)"),
-            ("attack failures", summary.get("attack_failures")),
-            ("corrupt replies", summary.get("corrupt_replies")),
-            ("client errors", summary.get("client_errors")),
-            ("attack seconds (total)", summary.get("attack_seconds_total")),
-        ]
-        if dp:
-            head.append(("DP ε (largest, cumulative)", summary.get("epsilon")))
-            head.append(("DP δ", summary.get("delta")))
-        parts = [
-            "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-            f"<title>fl-attack audit {esc(str(summary.get('run_name')))}</title>",
-            "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}"
-            "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
-            "padding:3px 8px;text-align:right}th{background:#eee}td.l,th.l{text-align:left}"
-            "img{image-rendering:pixelated;max-width:100%}.pair{display:flex;gap:1.5em;"
-            "align-items:flex-start}.pair div{text-align:center}.err{color:#b00}"
-            ".warn{background:#fff3cd;padding:.6em;border:1px solid #e0c060}</style>",
-            "</head><body>",
-            f"<h1>Privacy audit: {esc(str(summary.get('run_name')))}</h1>",
-            "<p class='warn'>This report contains reconstructions of clients' private training "
-            "data. Keep it private (it is written with owner-only permissions).</p>",
-            "<h2>Summary</h2><table>",
-        ]
-        parts += [f"<tr><th class='l'>{esc(k)}</th><td>{fmt(v)}</td></tr>" for k, v in head]
-        parts.append("</table>")
-        parts.append("<h2>Per round</h2>")
-        round_cols = [("audit-replies", "replies", 0),
-                      ("audit-reconstructions", "reconstructed", 0),
-                      ("audit-certified-exact", "certified exact", 0),
-                      ("audit-lambda-mean", "mean λ", 4), ("audit-psnr-mean", "mean PSNR [dB]", 1),
-                      ("audit-attack-seconds", "attack s", 1), ("audit-seconds", "audit s", 1),
-                      ("train-round-seconds", "round s", 1)]
-        if self.rounds:
-            parts.append("<table><tr><th>round</th>" + "".join(
-                f"<th>{esc(title)}</th>" for _, title, _ in round_cols) + "</tr>")
-            for rnd, info in sorted(self.rounds.items()):
-                cells = [fmt(info.get(key), digits) if digits else fmt(info.get(key))
-                         for key, _, digits in round_cols]
-                parts.append(f"<tr><td>{rnd}</td>"
-                             + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-            parts.append("</table>")
-        plot = self._plot_png()
-        if plot is not None:
-            parts.append(img(plot, "per-round metrics"))
-        cols = ["round", "client", "status", "B", "λ", "certified", "PSNR [dB]",
-                "attack s", "examples"]
-        if dp:
-            cols += ["ε (round)", "ε (cumul.)", "noise std"]
-        cols.append("error")
-        parts.append("<h2>Clients</h2><table><tr>"
-                     + "".join(f"<th>{esc(c)}</th>" for c in cols) + "</tr>")
-        for r in sorted(self.records, key=lambda r: (r.server_round, r.client_label)):
-            cells = [fmt(r.server_round), esc(r.client_label), esc(r.status), fmt(r.batch_size),
-                     fmt(r.sparsity_match, 4), fmt(r.exact), fmt(r.psnr_mean, 1),
-                     fmt(r.attack_seconds, 1), fmt(r.num_examples)]
-            if dp:
-                cells += [fmt(r.epsilon), fmt(r.epsilon_cumulative), fmt(r.noise_std, 6)]
-            cells.append(f"<span class='err'>{esc(r.error or '')}</span>")
-            parts.append("<tr>" + "".join(
-                f"<td class='l'>{c}</td>" if i in (1, 2, len(cells) - 1) else f"<td>{c}</td>"
-                for i, c in enumerate(cells)) + "</tr>")
-        parts.append("</table>")
-        parts.append("<h2>Reconstructions</h2>")
-        if gt:
-            parts.append("<p>Left: what the server reconstructed from the client's update "
-                         "alone. Right: the client's true batch (audit ground truth), in the "
-                         "same order (optimal matching).</p>")
-        for r in sorted(self.records, key=lambda r: (r.server_round, r.client_label)):
-            if r.recon_images is None:
-                continue
-            title = f"Round {r.server_round}, {r.client_label}"
-            stats = [f"B = {r.batch_size}", f"λ = {fmt(r.sparsity_match, 4)}",
-                     "certified exact" if r.exact else "not certified"]
-            if r.psnr_mean is not None:
-                stats.append(f"PSNR = {fmt(r.psnr_mean, 1)} dB")
-            if r.epsilon is not None:
-                stats.append(f"ε = {fmt(r.epsilon_cumulative or r.epsilon)}")
-            parts.append(f"<h3>{esc(title)}</h3><p>{esc(', '.join(stats))}</p><div class='pair'>")
-            parts.append("<div>" + img(_png_bytes(image_grid(r.recon_images)), "reconstruction")
-                         + "<br>reconstruction</div>")
-            if r.original_images is not None:
-                parts.append("<div>" + img(_png_bytes(image_grid(r.original_images)), "original")
-                             + "<br>original</div>")
-            parts.append("</div>")
-        parts.append("<h2>Configuration</h2><table>")
-        parts += [f"<tr><th class='l'>{esc(str(k))}</th><td class='l'>{fmt(v)}</td></tr>"
-                  for k, v in sorted(self.config.items())]
-        parts.append("</table></body></html>")
-        return "\n".join(parts)
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` in one ``write``, then ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def records_from_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read back a ``metrics.jsonl`` (for tests and notebooks)."""
+    """Read back a ``metrics.jsonl`` (an incomplete last line, from a crash, is skipped)."""
+    out = []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
+        for line in fh:
+            if not line.endswith("\n"):
+                break
+            if line.strip():
+                out.append(json.loads(line))
+    return out

@@ -1,4 +1,5 @@
-"""Audit storage: owner-only permissions, atomic writes, no overwrite, summary and report."""
+"""Audit storage: owner-only permissions, atomic and append-only writes, no overwrite, summary,
+the verdict and the report."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _record(rnd: int, pid: int | None, *, gt: bool, rng: np.random.Generator,
             **kw: object) -> ClientAudit:
     images = rng.random((4, 1, 28, 28))
     return ClientAudit(
-        server_round=rnd, node_id=1000 + (pid or 0), partition_id=pid, status="ok",
+        server_round=rnd, node_id=1000 + (pid or 0), partition_id=pid, status="certified",
         protocol="fedsgd", num_examples=4, batch_size=4, sparsity_match=1.0, exact=True,
         n_directions=4, attack_seconds=0.5, inputs=rng.standard_normal((4, 784)),
         recon_images=images, original_images=images if gt else None,
@@ -100,6 +101,23 @@ def test_duplicate_client_label_gets_its_own_directory(tmp_path: Path) -> None:
     d2 = store.add(_record(1, 3, gt=False, rng=rng))
     assert d1 != d2 and d1.name == "client-3" and d2.name == "client-3-2"
     assert (d1 / "inputs.npz").is_file() and (d2 / "inputs.npz").is_file()
+    # each line names the directory actually written
+    lines = records_from_jsonl(store.run_dir / "metrics.jsonl")
+    assert [ln["dir"] for ln in lines] == ["round-1/client-3", "round-1/client-3-2"]
+    assert json.loads((d2 / "metrics.json").read_text())["dir"] == "round-1/client-3-2"
+
+
+def test_metrics_jsonl_is_appended_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    store = AuditStore(tmp_path, "append")
+    path = store.run_dir / "metrics.jsonl"
+    store.add(_record(1, 0, gt=False, rng=rng))
+    first = path.read_bytes()
+    store.add(_record(1, 1, gt=False, rng=rng))
+    assert path.read_bytes().startswith(first)  # appended, not rewritten
+    with open(path, "ab") as fh:  # a crash in the middle of a line
+        fh.write(b'{"server_round": 2, "sta')
+    assert [ln["client"] for ln in records_from_jsonl(path)] == ["client-0", "client-1"]
 
 
 def test_metrics_jsonl_summary_and_report(tmp_path: Path) -> None:
@@ -108,21 +126,23 @@ def test_metrics_jsonl_summary_and_report(tmp_path: Path) -> None:
     store.add(_record(1, 0, gt=True, rng=rng, epsilon=3.5, epsilon_cumulative=3.5, delta=1e-5))
     store.add(_record(2, 0, gt=True, rng=rng, epsilon=3.5, epsilon_cumulative=5.0, delta=1e-5))
     store.add(ClientAudit(1, 77, partition_id=1, status="attack-error", error="boom <b>"))
-    store.add(ClientAudit(1, 78, status="corrupt", error="array '1.weight' contains NaN or inf"))
+    store.add(ClientAudit(1, 78, label="node-2", status="corrupt",
+                          error="array '1.weight' contains NaN or inf"))
     store.add_round(1, {"audit_seconds": 1.0})
     summary = store.finalize({"status": "completed"})
 
     lines = records_from_jsonl(store.run_dir / "metrics.jsonl")
     assert len(lines) == 4
-    assert [ln["status"] for ln in lines] == ["ok", "ok", "attack-error", "corrupt"]
+    assert [ln["status"] for ln in lines] == ["certified", "certified", "attack-error",
+                                              "corrupt"]
     assert lines[2]["error"] == "boom <b>" and lines[3]["partition_id"] is None
-    assert lines[3]["dir"] == "round-1/node-78"
+    assert lines[3]["dir"] == "round-1/node-2" and lines[3]["node_id"] == 78
     assert "inputs" not in lines[0] and "sample_indices" not in lines[0]
 
     on_disk = json.loads((store.run_dir / "summary.json").read_text())
     assert on_disk == summary
     assert summary["reconstructions"] == 2
-    assert summary["certified_exact"] == 2
+    assert summary["certified"] == 2 and summary["verdict_level"] == "leak"
     assert summary["psnr_mean"] == pytest.approx(120.0)
     assert summary["epsilon"] == pytest.approx(5.0)  # largest cumulative epsilon
     assert summary["attack_failures"] == 1 and summary["corrupt_replies"] == 1
@@ -132,6 +152,7 @@ def test_metrics_jsonl_summary_and_report(tmp_path: Path) -> None:
     assert report.count("data:image/png;base64,") >= 5  # plot + 2 x (recon, original)
     assert "boom &lt;b&gt;" in report and "boom <b>" not in report  # escaped
     assert "ε" in report  # DP column present
+    assert "1.0e-05" in report and "0.00" not in report.split("DP δ")[1][:40]  # δ readable
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", report)  # self-contained
 
     npz = np.load(store.run_dir / "round-1/client-0/inputs.npz")
@@ -146,6 +167,7 @@ def test_summary_without_ground_truth_or_dp(tmp_path: Path) -> None:
     assert summary["psnr_mean"] is None and summary["epsilon"] is None
     assert summary["reconstructions"] == 1
     assert "no ground truth" in (store.run_dir / "report.html").read_text()
+    assert "audit off" not in (store.run_dir / "report.html").read_text()
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -166,3 +188,57 @@ def test_jsonable_and_image_grid() -> None:
     assert grid.shape[1] >= 256
     with pytest.raises(ValueError):
         image_grid(np.zeros((2, 2, 8, 8)))
+
+
+def _summary_of(records: list[ClientAudit]) -> dict:
+    from fl_attack_flwr.report import summarize
+
+    return summarize(records, {}, {}, run_name="r", run_dir="/x", wall_seconds=1.0)
+
+
+def test_the_verdict_answers_the_auditors_question() -> None:
+    rng = np.random.default_rng(6)
+    every = _summary_of([_record(1, k, gt=True, rng=rng) for k in range(6)])
+    assert every["verdict_level"] == "leak"
+    assert "reconstructed 6 of 6 client batches exactly" in every["verdict"]
+
+    protected = [ClientAudit(1, k, partition_id=k, status="protected",
+                             reason="the update mixes at least min(m, n) = 100 samples")
+                 for k in range(3)]
+    safe = _summary_of(protected)
+    assert safe["verdict_level"] == "safe" and safe["verdict"].startswith("Protected")
+    assert safe["protected"] == 3 and safe["attack_failures"] == 0
+
+    mixed = _summary_of([_record(1, 0, gt=True, rng=rng), *protected[:2],
+                         ClientAudit(1, 9, partition_id=9, status="timeout", error="t")])
+    assert mixed["verdict_level"] == "leak"
+    assert "1 of 4" in mixed["verdict"] and "2 of 4 updates were protected" in mixed["verdict"]
+    assert "1 timeout" in mixed["verdict"]
+
+    nothing = _summary_of([ClientAudit(1, 1, status="client-error", error="x")])
+    assert nothing["verdict_level"] == "none" and "No update was attacked" in nothing["verdict"]
+
+
+def test_the_report_explains_statuses_and_gives_every_uncertified_row_a_reason(
+        tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    store = AuditStore(tmp_path, "explain")
+    store.add(_record(1, 0, gt=False, rng=rng))
+    store.add(ClientAudit(1, 5, partition_id=1, status="not-certified",
+                          reason="λ = 0.9900 < 1: some samples' activation patterns do not match",
+                          batch_size=4, sparsity_match=0.99, n_directions=4,
+                          inputs=rng.standard_normal((4, 784))))
+    store.add(ClientAudit(1, 6, partition_id=2, status="protected",
+                          reason="noise hides the batch: the update has numerical rank 0"))
+    store.add(ClientAudit(1, 7, partition_id=3, status="certified", batch_size=2,
+                          sparsity_match=1.0, exact=True, n_directions=2,
+                          inputs=rng.standard_normal((2, 14)),
+                          inputs_are="The inputs are not images"))
+    store.finalize()
+    page = (store.run_dir / "report.html").read_text()
+    assert "id='verdict'" in page and "How to read this report" in page
+    for word in ("certified", "not-certified", "protected", "λ (sparsity match)", "PSNR"):
+        assert word in page
+    assert "activation patterns do not match" in page
+    assert "noise hides the batch" in page and "attack-error" not in page.split("<h2>Clients")[1]
+    assert "Showing 2 of 2 rows" in page  # tabular inputs as a table of numbers

@@ -1,0 +1,415 @@
+"""Where attacks run: the server process, spawned worker processes, or Ray tasks.
+
+Every executor takes :class:`~fl_attack_flwr.replies.AttackJob` s and returns
+``concurrent.futures.Future`` s of outcomes (``strategies/running.py``); a future never fails:
+what happens to an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
+
+* :class:`InlineExecutor`: one thread of the server process; no hard timeout, no memory cap.
+* :class:`PoolExecutor`: ``n`` persistent ``spawn`` worker processes (``process`` is a pool of
+  one). Each attack has its own hard timeout; a killed or crashed worker is replaced and only
+  its attack is lost; a worker that ran out of memory is replaced after reporting it (a failed
+  allocation can leave the process half-initialised). Spawn, not fork, keeps CUDA and Ray safe.
+* :class:`RayExecutor`: each attack a Ray task with CPU/GPU resources, on the Ray instance this
+  process already has (the simulation engine's), on a given cluster address, or on a new local
+  instance.
+
+The same job and seed give the same reconstruction under every executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_connections
+from typing import Any
+
+from fl_attack_flwr import verdicts
+from fl_attack_flwr.replies import AttackJob
+from fl_attack_flwr.running import error_outcome, run_job
+from fl_attack_flwr.settings import AttackSettings, usable_cores
+
+__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "RayExecutor", "make_executor"]
+
+log = logging.getLogger("fl_attack")
+
+
+class Executor:
+    """Interface: ``submit`` a job, get a future of its outcome; ``start`` warms up early."""
+
+    name = "executor"
+
+    def start(self) -> None:
+        """Prepare workers ahead of the first job (e.g. while the clients train)."""
+
+    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop every worker; unfinished futures get an ``unfinished`` outcome."""
+
+
+def make_executor(settings: AttackSettings) -> Executor:
+    """The executor ``settings.executor`` names, configured from ``settings``."""
+    if settings.executor == "inline":
+        return InlineExecutor()
+    if settings.executor == "ray":
+        return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
+                           num_gpus=settings.ray_num_gpus, timeout=settings.timeout)
+    workers = 1 if settings.executor == "process" else settings.workers or usable_cores()
+    return PoolExecutor(workers, timeout=settings.timeout,
+                        startup_timeout=settings.startup_timeout, name=settings.executor)
+
+
+class InlineExecutor(Executor):
+    """Attacks one after another in a thread of the server process."""
+
+    name = "inline"
+
+    def __init__(self) -> None:
+        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-attack")
+
+    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+        return self._threads.submit(run_job, job)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def _worker_main(conn: Any) -> None:
+    """Body of a worker process: import once, say ready, then run jobs until told to stop."""
+    try:
+        import fl_attack  # noqa: F401  (warm the imports before announcing readiness)
+
+        conn.send(("ready", None))
+        while True:
+            try:
+                job = conn.recv()
+            except (EOFError, OSError):
+                return
+            if job is None:
+                return
+            outcome = run_job(job, in_worker=True)
+            conn.send(("done", outcome))
+            if outcome["status"] == verdicts.OUT_OF_MEMORY:
+                return  # a failed allocation can leave half-imported modules: start afresh
+    except KeyboardInterrupt:
+        return
+
+
+@dataclass
+class _Worker:
+    """One spawned worker process and the job it runs."""
+
+    proc: Any
+    conn: Any
+    started: float
+    ready: bool = False
+    job: tuple[AttackJob, Future[dict[str, Any]]] | None = None
+    job_started: float = 0.0
+    dead_reason: str = field(default="")
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class PoolExecutor(Executor):
+    """``n`` persistent spawned worker processes, each attack with its own hard timeout.
+
+    A dispatcher thread hands queued jobs to ready workers, collects their outcomes, kills a
+    worker whose attack passed ``timeout`` (outcome ``timeout``) and replaces a worker that died
+    (outcome ``worker-died``). Workers import torch once and are reused across attacks.
+    """
+
+    def __init__(self, n: int, *, timeout: float | None = None, startup_timeout: float = 300.0,
+                 name: str = "pool") -> None:
+        if n < 1:
+            raise ValueError(f"a pool needs at least one worker, got {n}")
+        self.n, self.timeout, self.startup_timeout, self.name = n, timeout, startup_timeout, name
+        self._queue: queue.SimpleQueue[tuple[AttackJob, Future[dict[str, Any]]] | None] = (
+            queue.SimpleQueue())
+        self._workers: list[_Worker] = []
+        self._pending: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stop.clear()
+            self._workers = [self._spawn() for _ in range(self.n)]
+            self._thread = threading.Thread(target=self._dispatch, name="fl-attack-dispatch",
+                                            daemon=True)
+            self._thread.start()
+
+    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+        self.start()
+        future: Future[dict[str, Any]] = Future()
+        self._queue.put((job, future))
+        return future
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes (for monitoring and tests)."""
+        return [w.proc.pid for w in self._workers if w.proc.is_alive()]
+
+    def busy_pids(self) -> list[int]:
+        """PIDs of the workers running an attack now."""
+        return [w.proc.pid for w in self._workers if w.job is not None and w.proc.is_alive()]
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        self._queue.put(None)
+        thread.join()
+        for w in self._workers:
+            if w.job is not None:
+                w.job[1].set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
+            if w.proc.is_alive():
+                try:
+                    w.conn.send(None)
+                    w.proc.join(timeout=5)
+                except (OSError, ValueError):
+                    pass
+            w.kill()
+        self._workers = []
+        leftovers = self._pending + self._drain_queue()
+        for _, future in leftovers:
+            future.set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
+        self._pending = []
+
+    # ------------------------------------------------------------------ dispatcher
+
+    def _spawn(self) -> _Worker:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+                           name="fl-attack-worker")
+        proc.start()
+        child.close()
+        return _Worker(proc, parent, time.perf_counter())
+
+    def _drain_queue(self) -> list[tuple[AttackJob, Future[dict[str, Any]]]]:
+        items = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            self._pending += self._drain_queue()
+            self._assign()
+            conns = [w.conn for w in self._workers if w.proc.is_alive()]
+            ready = wait_connections(conns, timeout=0.1) if conns else []
+            for w in list(self._workers):
+                if w.conn in ready:
+                    self._receive(w)
+            self._check_deadlines()
+
+    def _assign(self) -> None:
+        for w in self._workers:
+            if not self._pending:
+                return
+            if w.ready and w.job is None and w.proc.is_alive():
+                job, future = self._pending.pop(0)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    w.conn.send(job)
+                except (OSError, ValueError):  # the worker is gone: the job waits for another
+                    self._pending.insert(0, (job, _requeued(future)))
+                    self._replace(w)
+                    continue
+                w.job, w.job_started = (job, future), time.perf_counter()
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            kind, payload = w.conn.recv()
+        except (EOFError, OSError):
+            self._worker_died(w)
+            return
+        if kind == "ready":
+            w.ready = True
+        elif kind == "done" and w.job is not None:
+            w.job[1].set_result(payload)
+            w.job = None
+            if payload["status"] == verdicts.OUT_OF_MEMORY:  # it exits: do not reuse it
+                self._replace(w)
+
+    def _check_deadlines(self) -> None:
+        now = time.perf_counter()
+        for w in list(self._workers):
+            if not w.proc.is_alive():
+                self._worker_died(w)
+            elif w.job is not None and self.timeout and now - w.job_started > self.timeout:
+                w.job[1].set_result(error_outcome(
+                    verdicts.TIMEOUT, f"attack exceeded its hard timeout of {self.timeout:g}s "
+                    "(worker process killed)", now - w.job_started))
+                w.job = None
+                self._replace(w)
+            elif not w.ready and now - w.started > self.startup_timeout:
+                log.warning("attack worker did not start within %.0fs; restarting it",
+                            self.startup_timeout)
+                self._replace(w)
+
+    def _worker_died(self, w: _Worker) -> None:
+        code = w.proc.exitcode
+        if w.job is not None:
+            job, future = w.job
+            status, why = verdicts.WORKER_DIED, f"attack worker died (exit code {code})"
+            if job.memory_limit_gb and code != -9:  # not killed from outside: a failed alloc
+                status = verdicts.OUT_OF_MEMORY
+                why += f" under its memory cap of {job.memory_limit_gb:g} GB"
+            future.set_result(error_outcome(status, why, time.perf_counter() - w.job_started))
+            w.job = None
+        self._replace(w)
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        if w in self._workers and not self._stop.is_set():
+            self._workers[self._workers.index(w)] = self._spawn()
+
+
+def _requeued(future: Future[dict[str, Any]]) -> Future[dict[str, Any]]:
+    """A running future handed back to the queue: a fresh one that completes it."""
+    fresh: Future[dict[str, Any]] = Future()
+    fresh.add_done_callback(lambda f: future.set_result(f.result()))
+    return fresh
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def _ray_run_job(job: AttackJob) -> dict[str, Any]:
+    return run_job(job, in_worker=True)
+
+
+class RayExecutor(Executor):
+    """Each attack a Ray remote task (``num_cpus`` / ``num_gpus`` resources).
+
+    Ray is the one the process already runs (``flwr.simulation`` starts it in-process), else
+    ``address`` (a cluster; ``"auto"`` finds a local one), else a new local instance. A task
+    past ``timeout`` is cancelled (``timeout``); a task whose worker dies is ``worker-died``,
+    one that Ray's memory monitor kills ``out-of-memory``.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, *, num_cpus: float = 1.0,
+                 num_gpus: float = 0.0, timeout: float | None = None) -> None:
+        self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
+                                                                    num_gpus, timeout)
+        self._remote: Any = None
+        self._started_ray = False
+        self._watch: list[tuple[Any, Future[dict[str, Any]], float]] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        import ray
+
+        with self._lock:
+            if self._remote is not None:
+                return
+            if not ray.is_initialized():
+                kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                          "logging_level": "ERROR"}
+                if self.address:
+                    ray.init(address=self.address, **kwargs)
+                else:
+                    ray.init(num_cpus=usable_cores(), **kwargs)
+                    self._started_ray = True
+            self._remote = ray.remote(max_retries=0)(_ray_run_job)
+            self._thread = threading.Thread(target=self._collect, name="fl-attack-ray",
+                                            daemon=True)
+            self._thread.start()
+
+    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+        self.start()
+        ref = self._remote.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus).remote(job)
+        future: Future[dict[str, Any]] = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            self._watch.append((ref, future, time.perf_counter()))
+        return future
+
+    def _collect(self) -> None:
+        import ray
+
+        while not self._stop.is_set():
+            with self._lock:
+                watch = list(self._watch)
+            if not watch:
+                time.sleep(0.05)
+                continue
+            done, _ = ray.wait([r for r, _, _ in watch], num_returns=1, timeout=0.1)
+            now = time.perf_counter()
+            for ref, future, t0 in watch:
+                if ref in done:
+                    future.set_result(self._result(ref, now - t0))
+                elif self.timeout and now - t0 > self.timeout:
+                    ray.cancel(ref, force=True)
+                    future.set_result(error_outcome(
+                        verdicts.TIMEOUT, f"attack exceeded its hard timeout of "
+                        f"{self.timeout:g}s (Ray task cancelled)", now - t0))
+                else:
+                    continue
+                with self._lock:
+                    self._watch = [w for w in self._watch if w[0] is not ref]
+
+    @staticmethod
+    def _result(ref: Any, seconds: float) -> dict[str, Any]:
+        import ray
+        from ray import exceptions as rex
+
+        try:
+            return ray.get(ref)
+        except rex.OutOfMemoryError as exc:
+            return error_outcome(verdicts.OUT_OF_MEMORY, f"Ray: {exc}", seconds)
+        except (rex.WorkerCrashedError, rex.NodeDiedError) as exc:
+            return error_outcome(verdicts.WORKER_DIED, f"Ray: {type(exc).__name__}", seconds)
+        except Exception as exc:  # noqa: BLE001
+            return error_outcome(verdicts.ATTACK_ERROR, f"Ray: {type(exc).__name__}: {exc}",
+                                 seconds)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            watch, self._watch = self._watch, []
+        if watch:
+            import ray
+
+            for ref, future, _ in watch:
+                ray.cancel(ref, force=True)
+                future.set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+        self._remote = None

@@ -1,0 +1,144 @@
+"""From reconstructed layer inputs to pictures, and from pictures to a score against the truth.
+
+* :class:`InputView` turns the attacked layer's reconstructed inputs (``(B, n)`` numbers) into
+  what an auditor can look at: images of a known or inferred shape, scaled back to ``[0, 1]``
+  (the dataset's normalisation, a given mean/std or transform, else per-image min-max), or the
+  rows of a table when the inputs are not images.
+* :class:`GroundTruth` is the audit mode's dataset, indexed by the sample ids the plugin's own
+  clients report; :func:`score_images` matches reconstructions to originals and gives PSNR.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["GroundTruth", "InputView", "Score", "infer_image_shape", "score_images"]
+
+
+def infer_image_shape(n: int) -> tuple[int, int, int] | None:
+    """``(C, H, W)`` of a square image with ``n`` values (3 channels, else 1), or ``None``."""
+    for channels in (3, 1):
+        if n % channels == 0:
+            side = math.isqrt(n // channels)
+            if side >= 4 and side * side * channels == n:
+                return channels, side, side
+    return None
+
+
+@dataclass
+class InputView:
+    """How reconstructed inputs become pictures.
+
+    Parameters
+    ----------
+    dataset : str, optional
+        A dataset of ``fl_attack.data``: its image shape and normalisation are used.
+    input_shape : tuple of int, optional
+        ``(C, H, W)`` of the model's input; ``None``: from ``dataset``, else inferred when the
+        input size is a square image with 1 or 3 channels (the report says so).
+    transform : callable or (mean, std), optional
+        Undoes the clients' input normalisation: a function of a ``(B, C, H, W)`` tensor, or
+        per-channel ``(mean, std)`` sequences. ``None``: per-image min-max scaling.
+    """
+
+    dataset: str | None = None
+    input_shape: tuple[int, int, int] | None = None
+    transform: Callable[[torch.Tensor], torch.Tensor] | tuple[Iterable[float],
+                                                             Iterable[float]] | None = None
+
+    def shape_for(self, n: int) -> tuple[tuple[int, int, int] | None, bool]:
+        """``(shape, inferred)`` for inputs of ``n`` values (shape ``None``: not images)."""
+        if self.input_shape is not None:
+            shape = tuple(int(s) for s in self.input_shape)
+            if int(np.prod(shape)) != n:
+                raise ValueError(f"input_shape {shape} has {int(np.prod(shape))} values but the "
+                                 f"attacked layer takes {n}")
+            return (shape[0], shape[1], shape[2]), False
+        if self.dataset is not None:
+            from fl_attack.data import image_shape
+
+            shape = image_shape(self.dataset)
+            if int(np.prod(shape)) == n:
+                return shape, False
+        return infer_image_shape(n), True
+
+    def images(self, inputs: np.ndarray) -> tuple[np.ndarray | None, bool]:
+        """``((B, C, H, W) images in [0, 1] or None, shape inferred)`` of reconstructed inputs."""
+        x = torch.as_tensor(np.asarray(inputs, dtype=np.float64))
+        if x.ndim != 2 or not bool(torch.isfinite(x).all()):
+            return None, False
+        shape, inferred = self.shape_for(int(x.shape[1]))
+        if shape is None:
+            return None, False
+        x = x.reshape(-1, *shape)
+        if self.transform is not None and callable(self.transform):
+            x = self.transform(x)
+        elif self.transform is not None:
+            mean, std = (torch.as_tensor(list(v), dtype=x.dtype) for v in self.transform)
+            x = x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)
+        elif self.dataset is not None and not inferred:
+            from fl_attack.data import denormalize
+
+            x = denormalize(x, self.dataset)
+        else:
+            lo = x.flatten(1).amin(dim=1).view(-1, 1, 1, 1)
+            hi = x.flatten(1).amax(dim=1).view(-1, 1, 1, 1)
+            x = (x - lo) / (hi - lo).clamp_min(1e-12)
+        return x.clamp(0.0, 1.0).numpy(), inferred
+
+
+class GroundTruth:
+    """The audit's ground truth: the dataset the clients load, indexed by sample id.
+
+    Used in audit mode only, where the plugin's clients report the samples they trained on.
+    Loading is lazy and cached (photo pools take a while to generate).
+    """
+
+    def __init__(self, dataset: str, size: int | None = None, *, seed: int = 0,
+                 root: str | None = None) -> None:
+        self.dataset, self.size, self.seed, self.root = dataset, size, seed, root
+        self._images: torch.Tensor | None = None
+
+    def images(self, indices: Iterable[int]) -> torch.Tensor:
+        """``(B, C, H, W)`` float images in ``[0, 1]`` for the given dataset indices."""
+        if self._images is None:
+            from fl_attack.data import load_images
+
+            self._images, _ = load_images(self.dataset, self.size, seed=self.seed,
+                                          root=self.root)
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        if idx.numel() == 0:
+            raise ValueError("no sample indices")
+        if int(idx.min()) < 0 or int(idx.max()) >= self._images.shape[0]:
+            raise ValueError(f"sample index out of range [0, {self._images.shape[0]})")
+        return self._images[idx]
+
+
+@dataclass
+class Score:
+    """Reconstructions matched to originals: per-original PSNR and the matched pictures."""
+
+    psnr: list[float]
+    psnr_mean: float
+    matching: np.ndarray
+    matched: np.ndarray
+    """``(B_true, C, H, W)``: each original's reconstruction (grey where none matched)."""
+
+
+def score_images(recon: np.ndarray, originals: torch.Tensor) -> Score:
+    """Match reconstructed to true images (Hungarian) and score them (PSNR, range [0, 1])."""
+    from fl_attack.metrics import score_batch
+
+    rec = torch.as_tensor(recon, dtype=torch.float64)
+    orig = originals.double()
+    score = score_batch(rec, orig, data_range=1.0)
+    matched = np.full(tuple(orig.shape), 0.5)
+    hit = score.perm >= 0
+    matched[hit.numpy()] = rec[score.perm[hit]].numpy()
+    return Score([float(v) for v in score.psnr], float(score.mean_psnr), score.perm.numpy(),
+                 matched)

@@ -1,0 +1,122 @@
+"""What happened to a client's data: the status words of an audit, and how each is decided.
+
+The same words appear in ``metrics.jsonl``, the log, the HTML report and the round's metrics.
+A status says what the *server* could do with the update, so that an auditor reads it as an
+answer, not as a crash report:
+
+==================  ===========================================================================
+``certified``       every sample of the batch was reconstructed and the reconstruction carries
+                    the attack's certificate (sparsity match λ = 1 with all B directions, no
+                    noise): exact without any ground truth
+``not-certified``   a full reconstruction without the certificate; ``reason`` says why (λ < 1,
+                    noise detected, the time budget ended the search); its quality is only
+                    known from PSNR against the ground truth
+``partial``         k of B directions found: a reconstruction in which no sample is guaranteed
+``protected``       the update does not reveal the batch to this attack; ``reason`` says why
+                    (it mixes at least min(m, n) samples, or noise hides every sample)
+``no-update``       the client sent back the global model unchanged: nothing to attack
+``skipped``         not attacked by the audit's sampling (``reason`` says which rule)
+``corrupt``         the reply cannot be aggregated (NaN, wrong shapes, ...): withheld
+``client-error``    the client reported an error instead of an update
+``timeout``         the attack ran past its hard time limit and was stopped
+``out-of-memory``   the attack exceeded its memory cap and was stopped; the server stays up
+``worker-died``     the process running the attack died; only that attack is lost
+``unfinished``      the run ended before the attack did (background audit, drain timeout)
+``attack-error``    a fault in the attack or the audit (a bug, bad settings)
+==================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ERRORS",
+    "MEANINGS",
+    "RECONSTRUCTED",
+    "STATUSES",
+    "protected_reason",
+    "reconstruction_verdict",
+]
+
+CERTIFIED = "certified"
+NOT_CERTIFIED = "not-certified"
+PARTIAL = "partial"
+PROTECTED = "protected"
+NO_UPDATE = "no-update"
+SKIPPED = "skipped"
+CORRUPT = "corrupt"
+CLIENT_ERROR = "client-error"
+TIMEOUT = "timeout"
+OUT_OF_MEMORY = "out-of-memory"
+WORKER_DIED = "worker-died"
+UNFINISHED = "unfinished"
+ATTACK_ERROR = "attack-error"
+PENDING = "pending"
+
+#: Statuses whose record holds a reconstruction.
+RECONSTRUCTED = (CERTIFIED, NOT_CERTIFIED, PARTIAL)
+#: Statuses in which the audit, not the client, failed to give an answer.
+ERRORS = (TIMEOUT, OUT_OF_MEMORY, WORKER_DIED, UNFINISHED, ATTACK_ERROR)
+STATUSES = (*RECONSTRUCTED, PROTECTED, NO_UPDATE, SKIPPED, CORRUPT, CLIENT_ERROR, *ERRORS,
+            PENDING)
+
+#: One line of plain words per status, for the report's legend.
+MEANINGS: dict[str, str] = {
+    CERTIFIED: "the server reconstructed every sample, and the attack's certificate proves the "
+               "reconstruction exact without seeing the data",
+    NOT_CERTIFIED: "the server reconstructed the batch, but without a certificate: how close it "
+                   "is shows only in the PSNR against the true data",
+    PARTIAL: "the server found only some of the batch's directions: no sample is guaranteed",
+    PROTECTED: "this update does not reveal its batch to the attack",
+    NO_UPDATE: "the client sent back the global model unchanged: nothing to attack",
+    SKIPPED: "not attacked (the audit samples replies)",
+    CORRUPT: "the reply could not be aggregated and was withheld from the model",
+    CLIENT_ERROR: "the client reported an error instead of an update",
+    TIMEOUT: "the attack ran past its hard time limit and was stopped (no answer)",
+    OUT_OF_MEMORY: "the attack exceeded its memory cap and was stopped (no answer)",
+    WORKER_DIED: "the process running the attack died (no answer)",
+    UNFINISHED: "the run ended before this attack did (no answer)",
+    ATTACK_ERROR: "the attack failed (no answer)",
+    PENDING: "the attack has not finished yet",
+}
+
+
+def protected_reason(reason: str, rank: int, limit: int) -> str:
+    """The plain-words reason of a ``protected`` verdict for an ``fl_attack.NotIdentifiable``.
+
+    Parameters
+    ----------
+    reason : str
+        ``NotIdentifiable.reason``: ``"full-rank"`` or ``"no-signal"``.
+    rank, limit : int
+        The update's numerical rank and min(m, n) of the attacked layer.
+    """
+    if reason == "no-signal":
+        return "noise hides the batch: the update has numerical rank 0"
+    return (f"the update mixes at least min(m, n) = {limit} samples (numerical rank {rank}), "
+            "more than the attacked layer can separate, or noise swamps the signal")
+
+
+def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
+    """``(status, reason)`` of a finished attack from its summary (``Reconstruction.as_dict()``).
+
+    ``certified`` needs the library's ``exact`` flag (λ = 1, every direction found, no noise);
+    every other outcome gets the first reason that applies.
+    """
+    B, found = int(result["batch_size"]), int(result["n_directions"])
+    if result.get("exact"):
+        return CERTIFIED, None
+    if found < B:
+        return PARTIAL, f"{found} of {B} directions found: no sample is guaranteed"
+    lam = result.get("sparsity_match")
+    if lam is None:
+        return NOT_CERTIFIED, "no certificate without the layer's weights and bias"
+    if lam >= 1.0:  # every pattern matches, yet not exact: the library saw noise
+        sigma = float(result.get("noise_std") or 0.0)
+        return NOT_CERTIFIED, (f"noise detected on the update (σ ≈ {sigma:.2e}): a noisy "
+                               "update is never certified; see PSNR")
+    why = f"λ = {lam:.4f} < 1: some samples' activation patterns do not match the update"
+    if result.get("budget_exhausted"):
+        why += "; the time budget ended the search"
+    return NOT_CERTIFIED, why

@@ -1,0 +1,164 @@
+"""Where attacks run: the same job gives the same reconstruction inline, on a process pool and on
+Ray; a killed worker, a hard timeout and a memory cap are outcomes, not crashes; the readings of
+an update of unknown kind are tried in order and the best-certified one is kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from fl_attack.data import load_images, normalize
+from fl_attack.models import relu_mlp
+from fl_attack.simulate import local_update
+from fl_attack_flwr import AttackSettings, verdicts
+from fl_attack_flwr.executors import InlineExecutor, PoolExecutor, RayExecutor
+from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
+from fl_attack_flwr.running import run_job
+
+DATASET, B, WIDTH = "mnist", 8, 100
+
+
+@pytest.fixture(scope="module")
+def job() -> AttackJob:
+    """A real FedSGD update of 8 MNIST digits through a ReLU MLP of width 100."""
+    images, labels = load_images(DATASET, 64, seed=3)
+    model = relu_mlp(784, WIDTH, 2, 10, seed=3)
+    sent = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    res = local_update(model, normalize(images[:B], DATASET), labels[:B], protocol="fedsgd",
+                       lr=0.01)
+    back = {k: v.detach().numpy().copy() for k, v in res.state_dict.items()}
+    settings = AttackSettings(update="gradient", max_seconds=60.0, next_layer=False)
+    return build_job(1, 11, "client-0", sent, back, choose_layer(sent), settings)
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray, tol: float = 1e-6) -> bool:
+    """Whether two reconstructions hold the same rows (the order of rows is arbitrary)."""
+    if a.shape != b.shape:
+        return False
+    d = np.abs(a[:, None, :] - b[None, :, :]).max(axis=2)
+    return bool((d.min(axis=1) < tol).all() and (d.min(axis=0) < tol).all())
+
+
+def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> None:
+    inline = InlineExecutor()
+    pool = PoolExecutor(2, timeout=300)
+    ray_ex = RayExecutor(num_cpus=1)
+    try:
+        ref = inline.submit(job).result()
+        outs = [f.result(timeout=600) for f in (pool.submit(job), pool.submit(job),
+                                                ray_ex.submit(job))]
+    finally:
+        inline.close()
+        pool.close()
+        ray_ex.close()
+    assert ref["status"] in verdicts.RECONSTRUCTED
+    for out in outs:
+        assert out["status"] == ref["status"]
+        assert out["summary"]["batch_size"] == ref["summary"]["batch_size"]
+        if ref["status"] == verdicts.CERTIFIED:  # an exact reconstruction is the same anywhere
+            assert _same_rows(out["inputs"], ref["inputs"])
+
+
+def test_a_killed_worker_is_recorded_and_replaced(job: AttackJob) -> None:
+    slow = AttackJob(**{**job.__dict__, "invert_kwargs": {**job.invert_kwargs,
+                                                          "method": "spear", "max_seconds": 60}})
+    pool = PoolExecutor(1, timeout=300)
+    try:
+        pool.start()
+        future = pool.submit(slow)
+        deadline = time.monotonic() + 120
+        while not pool.busy_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (pid,) = pool.busy_pids()
+        os.kill(pid, signal.SIGKILL)
+        out = future.result(timeout=60)
+        assert out["status"] == verdicts.WORKER_DIED and "died" in out["error"]
+        again = pool.submit(job).result(timeout=300)  # a fresh worker took its place
+        assert again["status"] in verdicts.RECONSTRUCTED
+        assert pid not in pool.worker_pids()
+    finally:
+        pool.close()
+
+
+def test_a_hard_timeout_kills_the_attack_and_the_pool_goes_on(job: AttackJob) -> None:
+    pool = PoolExecutor(1, timeout=0.05)
+    try:
+        pool.start()
+        deadline = time.monotonic() + 120
+        while not all(w.ready for w in pool._workers) and time.monotonic() < deadline:
+            time.sleep(0.05)  # startup (importing torch) is not attack time
+        out = pool.submit(job).result(timeout=120)
+        assert out["status"] == verdicts.TIMEOUT and "hard timeout" in out["error"]
+        pool.timeout = 300.0
+        assert pool.submit(job).result(timeout=300)["status"] in verdicts.RECONSTRUCTED
+    finally:
+        pool.close()
+
+
+def test_a_memory_cap_gives_out_of_memory_and_the_pool_goes_on(job: AttackJob) -> None:
+    # 3 million starts: the B x K search matrices need ~1.2 GB, far over a 0.5 GB cap
+    greedy = {**job.invert_kwargs, "n_init": 3_000_000, "steps": 2}
+    capped = AttackJob(**{**job.__dict__, "memory_limit_gb": 0.5, "invert_kwargs": greedy})
+    pool = PoolExecutor(1, timeout=300)
+    try:
+        out = pool.submit(capped).result(timeout=300)
+        assert out["status"] == verdicts.OUT_OF_MEMORY
+        # the worker reported it and was replaced by a fresh one, which runs the next attack
+        assert pool.submit(job).result(timeout=300)["status"] in verdicts.RECONSTRUCTED
+    finally:
+        pool.close()
+
+
+def test_closing_a_pool_marks_queued_jobs_unfinished(job: AttackJob) -> None:
+    pool = PoolExecutor(1, timeout=300)
+    futures = [pool.submit(job) for _ in range(3)]
+    pool.close()
+    assert all(f.done() for f in futures)
+    assert {f.result()["status"] for f in futures} <= {verdicts.UNFINISHED,
+                                                        *verdicts.RECONSTRUCTED}
+    assert futures[-1].result()["status"] == verdicts.UNFINISHED
+
+
+def _fake(outcomes: dict[str, dict]):
+    calls: list[str] = []
+
+    def attack_once(job: AttackJob, reading: str) -> dict:
+        calls.append(reading)
+        return {"reading": reading, "seconds": 0.0, "error": None, "inputs": None,
+                **outcomes[reading]}
+
+    return attack_once, calls
+
+
+def _res(status: str, lam: float | None = None) -> dict:
+    return {"status": status, "summary": None if lam is None else {"sparsity_match": lam}}
+
+
+@pytest.mark.parametrize(("outcomes", "want", "tried"), [
+    ({"gradient": _res("certified", 1.0), "fedavg": _res("certified", 1.0)}, "gradient",
+     ["gradient"]),
+    ({"gradient": _res("not-certified", 0.95), "fedavg": _res("certified", 1.0)}, "fedavg",
+     ["gradient", "fedavg"]),
+    ({"gradient": _res("not-certified", 0.97), "fedavg": _res("not-certified", 0.93)},
+     "gradient", ["gradient", "fedavg"]),
+    ({"gradient": _res("partial", 0.99), "fedavg": _res("not-certified", 0.5)}, "fedavg",
+     ["gradient", "fedavg"]),
+    ({"gradient": _res("protected"), "fedavg": _res("certified", 1.0)}, "gradient",
+     ["gradient"]),
+    ({"gradient": _res("attack-error"), "fedavg": _res("not-certified", 0.9)}, "fedavg",
+     ["gradient", "fedavg"]),
+])
+def test_readings_are_tried_until_one_is_certified_and_the_best_is_kept(
+        job: AttackJob, monkeypatch: pytest.MonkeyPatch, outcomes: dict, want: str,
+        tried: list[str]) -> None:
+    from fl_attack_flwr import running
+
+    fake, calls = _fake(outcomes)
+    monkeypatch.setattr(running, "_attack_once", fake)
+    auto = AttackJob(**{**job.__dict__, "readings": ("gradient", "fedavg")})
+    out = run_job(auto)
+    assert out["reading"] == want and calls == tried
