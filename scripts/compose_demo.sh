@@ -192,7 +192,6 @@ build_images() {
             --build-arg "WHEELHOUSE_URL=$WHEELHOUSE_URL" -t "$PROJECT_IMAGE" "$ROOT"
         kill -TERM "$HTTP_PID" 2>/dev/null || true; wait "$HTTP_PID" 2>/dev/null || true
         HTTP_PID="" ;;
-    *) fail "IMAGES must be auto, official or local, not '$IMAGES'" ;;
     esac
 }
 
@@ -328,6 +327,8 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 [[ "$NUM_CLIENTS" =~ ^[1-9][0-9]*$ ]] || fail "NUM_CLIENTS must be a positive integer"
+[[ "$IMAGES" =~ ^(auto|official|local)$ ]] || fail "IMAGES must be auto, official or local, not '$IMAGES'"
+[[ "$TLS" =~ ^[01]$ ]] || fail "TLS must be 0 or 1, not '$TLS'"
 if [[ -n "${COMPOSE:-}" ]]; then
     read -r -a COMPOSE_CMD <<<"$COMPOSE"
 elif docker compose version >/dev/null 2>&1; then
