@@ -41,3 +41,9 @@ deploy-local: $(STAMP)
 # Round wall time with/without the audit (3 and 10 clients) -> experiments/results/flower.md
 bench-flower: $(STAMP)
 	$(PY) -m experiments.bench_flower
+
+.PHONY: compose-demo
+# docker-compose federation end to end (needs Docker; starts and stops a daemon when none runs):
+# images, 3 clients, one audited FedSGD run, checks, teardown. See docs/deployment.md.
+compose-demo: $(STAMP)
+	VENV=$(VENV) scripts/compose_demo.sh
