@@ -60,6 +60,10 @@ class Reconstruction:
     peeled: int = 0
     """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
     and taken off the gradient before the rest of the batch was searched (``fl_attack.peel``)."""
+    budget_exhausted: bool = False
+    """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
+    ended by its own stop rule, or before the final selection finished: the result is the best
+    selection found in the time given, and a larger budget may find more."""
 
     @property
     def partial(self) -> bool:
@@ -82,6 +86,7 @@ class Reconstruction:
             "noise_std": self.noise_std,
             "chance_zeros": self.chance_zeros,
             "peeled": self.peeled,
+            "budget_exhausted": self.budget_exhausted,
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
         }
 
@@ -152,8 +157,7 @@ def invert(
         inputs=X.cpu(),
         batch_size=B,
         sparsity_match=lam,
-        exact=(lam is not None and lam >= 1.0 and found.n_found == B
-               and not found.noisy),
+        exact=certified(lam, found.n_found, B, noisy=found.noisy),
         n_directions=found.n_found,
         method=cfg.method,
         seconds=time.perf_counter() - start,
@@ -167,7 +171,34 @@ def invert(
         config=cfg,
         chance_zeros=run.match.chance_zeros if run.match is not None else 0,
         peeled=found.peeled,
+        budget_exhausted=found.exhausted,
     )
+
+
+def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
+              noisy: bool, nonnegative: bool = True) -> bool:
+    """Whether a reconstruction may be marked exact without ground truth.
+
+    Parameters
+    ----------
+    sparsity_match
+        λ of the selected basis (None without the layer's weight and bias: no certificate).
+    n_found, batch_size
+        Directions found by the search, and B.
+    noisy
+        Whether noise was detected in the update (:func:`noisy_update`). Under noise λ counts
+        agreement within a noise tolerance and can reach 1 for an inexact batch, so a noisy
+        update is never certified.
+    nonnegative
+        The input side's extra condition (every recovered input a possible ReLU output).
+
+    Returns
+    -------
+    bool
+        λ = 1, all B directions found, no noise, and ``nonnegative``.
+    """
+    return (sparsity_match is not None and sparsity_match >= 1.0 and n_found == batch_size
+            and not noisy and nonnegative)
 
 
 def _check_next_layer(G: torch.Tensor, G2: torch.Tensor, W: torch.Tensor | None,
@@ -205,6 +236,7 @@ class _Found:
     n_candidates: int = 0
     swaps: int = 0
     noisy: bool = False
+    exhausted: bool = False
 
 
 def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Tensor | None,
@@ -234,9 +266,9 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
             warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
                           "are not peeled", stacklevel=3)
     if rows2 is not None and not run.noisy:
-        run.peeler = lambda cols: peel.recover(
+        run.peeler = lambda cols, deadline: peel.recover(
             cols, dec.L, dec.R, rows2, system.WR, system.bias, zero_rtol=zero_rtol,
-            z_band=z_band, precision=precision)
+            z_band=z_band, precision=precision, deadline=deadline)
     if seeds is not None and B > 1:
         run.seed(seeds)
     if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
@@ -246,7 +278,8 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
     while True:
         Q, n_found = run.find()
         here = _Found(dec, system, run, Q, n_found, rounds=run.rounds,
-                      n_candidates=run.n_candidates, swaps=run.swaps, noisy=run.noisy)
+                      n_candidates=run.n_candidates, swaps=run.swaps, noisy=run.noisy,
+                      exhausted=run.exhausted)
         peeled, run.peeled = run.peeled, None
         if peeled is None:
             return here
@@ -277,6 +310,7 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
         here.rounds += sub.rounds
         here.n_candidates += sub.n_candidates
         here.swaps += sub.swaps
+        here.exhausted = here.exhausted or sub.exhausted
         return here
 
 
@@ -304,6 +338,12 @@ def _noise_ratio(dec: Decomposition) -> float:
     """Estimated noise edge over the smallest signal singular value (≈ relative error of L)."""
     sigma_b = float(dec.singular_values[dec.batch_size - 1])
     return dec.noise_edge / sigma_b if sigma_b > 0 else float("inf")
+
+
+def noisy_update(dec: Decomposition) -> bool:
+    """Whether the decomposed update carries noise that voids exact certification: its
+    estimated noise edge exceeds :data:`NOISY_RATIO` x the smallest signal singular value."""
+    return _noise_ratio(dec) > NOISY_RATIO
 
 
 def _default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
@@ -399,7 +439,7 @@ class _Search:
         ``filtering.noisy_sparsity``."""
         self.match: select.Match | None = None
         self.rounds = self.swaps = self.n_candidates = 0
-        self.noisy = _noise_ratio(dec) > NOISY_RATIO
+        self.noisy = noisy_update(dec)
         S = dec.singular_values[:self.B].to(device=device, dtype=torch.float64)
         self.row_noise = (dec.noise_std / S.clamp_min(torch.finfo(S.dtype).tiny)
                           if self.noisy else None)
@@ -417,11 +457,13 @@ class _Search:
         at B = 150, m = 4000 found 65 true columns instead of 120)."""
         self.verdicts: dict[bytes, tuple[bool, int]] = {}
         """Feasibility of a column's zero pattern -> (feasible, missing columns when checked)."""
-        self.peeler: Callable[[torch.Tensor], peel.Peeled] | None = None
+        self.peeler: Callable[[torch.Tensor, float | None], peel.Peeled] | None = None
         """Recovers and verifies the samples of found columns (``fl_attack.peel``), if given."""
         self.peeled: peel.Peeled | None = None
         """Set when ``find`` stopped to let verified samples be peeled off."""
         self.peel_tried: set[bytes] = set()
+        self.exhausted = False
+        """Set when the budget ran out before the search or the final selection ended."""
 
     def seed(self, directions: torch.Tensor) -> None:
         """Start the pool with the unit ∂L/∂Z directions (m, P) that lie in this gradient's
@@ -680,7 +722,8 @@ class _Search:
                 self.system.t)
         if not sampled:
             return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol,
-                                           row_noise=self.row_noise)
+                                           row_noise=self.row_noise,
+                                           deadline=self.deadline if deadline is None else deadline)
         return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
                                      row_noise=self.row_noise,
                                      generator=self.generator,
@@ -707,11 +750,14 @@ class _Search:
         todo = [j for j, key in enumerate(keys)
                 if key not in self.verdicts or missing <= self.verdicts[key][1] // 2]
         if todo:
-            margins = feasibility.pattern_margins(cols, self.system, torch.tensor(todo))
+            margins = feasibility.pattern_margins(cols, self.system, torch.tensor(todo),
+                                                  deadline=self.deadline)
+            late = self._out_of_time()  # LPs after the deadline were skipped (NaN): not cached
             for j, margin in zip(todo, margins.tolist(), strict=True):  # NaN: feasible
-                self.verdicts[keys[j]] = (not margin < feasibility.FAIL_MARGIN, missing)
+                if not (late and margin != margin):
+                    self.verdicts[keys[j]] = (not margin < feasibility.FAIL_MARGIN, missing)
         for j, key in enumerate(keys):
-            keep[j] = self.verdicts[key][0]
+            keep[j] = self.verdicts[key][0] if key in self.verdicts else True
         self._tick("verify", t0)
         return keep
 
@@ -767,6 +813,7 @@ class _Search:
                 print(f"[fl_attack] slice sampling before the search: {count}/{self.B} "
                       f"directions", flush=True)
             if done:
+                self.exhausted = self._out_of_time()
                 return self._finish()
             if self.peeled is not None:
                 return Q, count
@@ -802,6 +849,7 @@ class _Search:
                     generator=self.generator, deadline=self._from_now(NEIGHBOUR_SHARE / 2))
                 self._split_faces(seeds, self._n_rows(), deadline=limit)
                 self._tick("neighbours", t0)
+        self.exhausted = self._out_of_time()
         return self._finish()
 
     def _peel(self, min_new: int = 1, deadline: float | None = None) -> bool:
@@ -817,7 +865,8 @@ class _Search:
             return False
         t0 = time.perf_counter()
         self.peel_tried.update(keys[j] for j in todo)
-        peeled = self.peeler(self.trusted[:, todo])
+        peeled = self.peeler(self.trusted[:, todo], deadline if deadline is not None
+                             else self.deadline)
         self._tick("peel", t0)
         if not bool(peeled.verified.any()):
             return False
@@ -846,6 +895,7 @@ class _Search:
             if self.match is not None:
                 self.match = select.sparsity_match(Q, self.system)
             self._tick("refit", t0)
+        self.exhausted = self.exhausted or self._out_of_time(self.finish_deadline)
         return Q, count
 
     def _repair(self, Q: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ SPARSE_SIDES = ("output", "input", "auto")
 UPDATES = ("gradient", "fedavg")
 FEDAVG_TAU = 0.2
 """Default τ for ``update="fedavg"``: the zero fraction a column must show (see ``update``)."""
+DEFAULT_MAX_SECONDS = 120.0
+"""Default ``AttackConfig.max_seconds``: every call is bounded unless the caller passes
+``max_seconds=None``. Clean FedSGD batches up to (100, 1000) finish well within it on a 2-core
+CPU; larger layers (B = 150-210, m = 4000) need a larger budget or ``next_weight_grad``."""
 WIDE_LAYER = 500
 """Outputs m from which the search drops the PGD rounds and adds IRLS rounding by default."""
 
@@ -85,14 +89,16 @@ class AttackConfig:
     ``max(12, B // 4)``. Rounds after the first are cheap (restarts in the complement of what is
     found); at B = 30, m = 200, 12 rounds certified 3 of 5 photo batches that 4 rounds left at
     24-26 of 30 columns; at B = 100, m = 1000 one photo batch needed 13 rounds for λ = 1."""
-    max_seconds: float | None = None
-    """Wall-clock budget for the search; the best selection so far is returned when it runs out.
-    Checked between steps and inside the long ones (every 10 optimiser steps, between chunks of
-    IRLS and of polishing), so the search ends within about one chunk of it (seconds at
-    B = 210, m = 4000 on 2 cores). The final selection (greedy swaps, repair) may then take up
-    to a quarter of the budget more (``attack.FINISH_SHARE``; checked between swaps and between
-    chunks of swap trials), so a run ends within about 1.25 x ``max_seconds``. Before that bound,
-    the swaps of one noisy B = 150, m = 4000 DP-SGD update ran 15+ minutes past 400 s."""
+    max_seconds: float | None = DEFAULT_MAX_SECONDS
+    """Wall-clock budget of one call in seconds (default :data:`DEFAULT_MAX_SECONDS`); ``None``
+    means no limit. When it runs out the best selection so far is returned and
+    ``Reconstruction.budget_exhausted`` is True. Checked between steps and inside the long ones
+    (every 10 optimiser steps, between chunks of IRLS, polishing, kernel screening, LPs and
+    peeled columns), so the search ends within about one chunk of it (seconds at B = 210,
+    m = 4000 on 2 cores). The final selection (greedy swaps, repair, noisy refit) may then take
+    up to a quarter of the budget more (``attack.FINISH_SHARE``), so a call returns within about
+    1.25 x ``max_seconds`` plus one chunk. Without a limit a noisy update can keep the search
+    busy for many minutes (all rounds, swaps and repairs run to their caps)."""
 
     # --- SPEAR sampling (SPEC §3) ---------------------------------------------------------------
     samples_per_step: int = 4096

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from scipy.optimize import linprog
 
+from fl_attack.clock import passed
 from fl_attack.filtering import zero_mask
 from fl_attack.refine import dual_slice
 from fl_attack.scale import LayerSystem
@@ -88,7 +89,8 @@ def _margin_lp(cols: torch.Tensor, j: int, WR: torch.Tensor, bias: torch.Tensor,
 
 
 def pattern_margins(
-    cols: torch.Tensor, system: LayerSystem, which: torch.Tensor | None = None
+    cols: torch.Tensor, system: LayerSystem, which: torch.Tensor | None = None,
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """Best sign margin of each column's ReLU pattern given the others (F,) float64.
 
@@ -97,7 +99,9 @@ def pattern_margins(
     has (W R^T a + b)_i ≤ −δ‖·‖ on its zero rows and ≥ δ‖·‖ elsewhere, rows normalised; capped
     at 1 (an unbounded cell). Negative: no input has this pattern, the column is not a sample's.
     Entries of ∂L/∂Z within 100x of the zero test are left out (they may be either).
-    NaN where the LP solver failed. Needs ``weight`` and ``bias`` (``system.WR``).
+    NaN where the LP solver failed, and for the columns not reached before ``deadline`` (a
+    ``time.perf_counter()`` value, checked between groups of LPs; the first group always runs).
+    Needs ``weight`` and ``bias`` (``system.WR``).
     The LPs are built here in groups and solved on ``torch.get_num_threads()`` threads (the
     solver releases the GIL). Torch work stays on this thread: building the LPs in the worker
     threads as well made the attack's later steps slower (slice sampling +10-17 s per batch
@@ -121,6 +125,8 @@ def pattern_margins(
     step = 8 * workers  # LPs held at a time, each m x (missing + 1) floats
     with ThreadPoolExecutor(workers) as pool:
         for lo in range(0, len(todo), step):
+            if lo > 0 and passed(deadline):
+                break
             lps = [_margin_lp(cols, j, WR, bias, t, zero[:, j], sure[:, j])
                    for j in todo[lo:lo + step]]
             jobs = [None if lp is None else pool.submit(max_margin, *lp) for lp in lps]

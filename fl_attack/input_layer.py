@@ -57,6 +57,7 @@ from fl_attack.select import _ambiguous, best_swap, forgive_chance_zeros
 
 __all__ = [
     "InputMatch",
+    "better_side",
     "greedy_swaps",
     "input_factors",
     "inverse_scales",
@@ -365,6 +366,7 @@ def invert_inputs(
         n_found = 1
     else:
         Q, n_found = run.find()
+    exhausted = run.exhausted
     Q = orient_nonnegative(dec.L, Q)
     if have_wb:
         assert W is not None and b is not None
@@ -378,10 +380,15 @@ def invert_inputs(
                                            positions=cfg.swap_positions,
                                            deadline=run.finish_deadline)
                 swaps += k
-            if match.value >= 1.0 or run.rounds >= cfg.round_cap(run.B) or run._out_of_time():
+                exhausted = exhausted or passed(run.finish_deadline)
+            if match.value >= 1.0 or run.rounds >= cfg.round_cap(run.B):
+                break
+            if run._out_of_time():
+                exhausted = True
                 break
             timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
             Q_new, n_new = run.find()  # more rounds feed the pool
+            exhausted = exhausted or run.exhausted
             Q_new = orient_nonnegative(dec.L, Q_new)
             t0 = time.perf_counter()
             m_new = _match(Q_new, system, W, b, t)
@@ -393,8 +400,9 @@ def invert_inputs(
     X, D, u = input_factors(Q, dec.L, dec.R, t)
     timings["reconstruct"] = time.perf_counter() - t0
     lam = match.value if match is not None else None
-    exact = (match is not None and match.value >= 1.0 and n_found == B and not run.noisy
-             and bool(match.nonnegative.all()))
+    exact = _attack.certified(match.value if match is not None else None, n_found, B,
+                              noisy=run.noisy,
+                              nonnegative=match is not None and bool(match.nonnegative.all()))
     col = (match.per_sample.double() / G.shape[0]).cpu() if match is not None else None
     return _attack.Reconstruction(
         inputs=X.cpu(),
@@ -413,6 +421,7 @@ def invert_inputs(
         column_match=col,
         chance_zeros=match.chance_zeros if match is not None else 0,
         config=dataclasses.replace(cfg, sparse="input"),
+        budget_exhausted=exhausted,
     )
 
 
@@ -455,11 +464,39 @@ def side_score(
     return (lam + rows) / 2
 
 
-def _rank(rec: _attack.Reconstruction, G: torch.Tensor, W: torch.Tensor | None,
-          b: torch.Tensor | None, zero_rtol: float, z_band: float) -> tuple[bool, float, int]:
-    """``"auto"``'s order: a certified side first, then :func:`side_score`, then directions."""
-    score = side_score(rec.inputs, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
-    return rec.exact, score, rec.n_directions
+def better_side(
+    out: _attack.Reconstruction,
+    inp: _attack.Reconstruction,
+    G: torch.Tensor,
+    W: torch.Tensor | None,
+    b: torch.Tensor | None,
+    *,
+    zero_rtol: float,
+    z_band: float = 0.0,
+) -> tuple[_attack.Reconstruction, _attack.Reconstruction]:
+    """``"auto"``'s rule: which of the two sides' results to return.
+
+    Parameters
+    ----------
+    out, inp
+        The output side's and the input side's reconstructions of the same layer.
+    G : (m, n)
+        The layer's weight gradient; ``W`` (m, n) and ``b`` (m,) its parameters, or None.
+    zero_rtol, z_band
+        The tolerances of the layer's decomposition (``attack.tolerances``).
+
+    Returns
+    -------
+    (best, other)
+        Ordered by (certified exact, :func:`side_score`, directions found); the output side
+        on ties. Each side's own ``sparsity_match`` is not used: the two λ are computed on
+        different factorisations and do not compare (see :func:`side_score`).
+    """
+    def rank(rec: _attack.Reconstruction) -> tuple[bool, float, int]:
+        score = side_score(rec.inputs, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
+        return rec.exact, score, rec.n_directions
+
+    return (inp, out) if rank(inp) > rank(out) else (out, inp)
 
 
 def invert_auto(
@@ -498,8 +535,8 @@ def invert_auto(
     floor = 1e-6 if precision == torch.float32 else 1e-13
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
     zero_rtol, z_band = _attack.tolerances(dec, cfg, precision)
-    rank_in, rank_out = (_rank(rec, G, W, b, zero_rtol, z_band) for rec in (inp, out))
-    best, other = (inp, out) if rank_in > rank_out else (out, inp)
+    best, other = better_side(out, inp, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
+    best.budget_exhausted = out.budget_exhausted or inp.budget_exhausted
     best.timings["other_side"] = other.seconds
     best.seconds = time.perf_counter() - start
     best.config = dataclasses.replace(best.config or cfg, max_seconds=cfg.max_seconds)

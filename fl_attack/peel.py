@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.clock import passed
 from fl_attack.decompose import Decomposition, decompose
 
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -129,6 +130,7 @@ def recover(
     zero_rtol: float,
     z_band: float,
     precision: torch.dtype,
+    deadline: float | None = None,
 ) -> Peeled:
     """The samples behind ``columns`` (B, K), each verified on its own.
 
@@ -136,13 +138,16 @@ def recover(
     zeros) have a kernel in the next layer's rows, the active units' system W x + b = t h holds
     to :data:`RESIDUAL_RTOL`, every unit the kernel vector leaves at zero is inactive, every
     inactive unit is a zero row of the column, and at most :data:`MAX_CHANCE_ZEROS` x m zero
-    rows stay active.
+    rows stay active. Past ``deadline`` (a ``time.perf_counter()`` value, checked between
+    columns) the remaining columns are not tried (reported as not verified).
     """
     m, B = L.shape
     tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]
     V = L @ columns
     coords, kept = [], []
     for k in range(V.shape[1]):
+        if k > 0 and passed(deadline):
+            break
         v = V[:, k]
         zero0 = v.abs() <= zero_rtol * v.abs().max()
         H, zero = _kernel(rows2, zero0, tol)

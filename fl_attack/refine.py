@@ -412,6 +412,7 @@ def complete_missing(
     zero_rtol: float,
     max_vertices: int = 40000,
     row_noise: torch.Tensor | None = None,
+    deadline: float | None = None,
 ) -> torch.Tensor:
     """Candidates for the k = B - F columns missing from ``found`` (B, F), k ≤ 3 (B, c).
 
@@ -420,7 +421,8 @@ def complete_missing(
     each cell of their sign arrangement fixes the zero rows of the missing column, whose kernel
     (when one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3
     a plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
-    ``row_noise``: the least-squares kernels of a noisy update (:func:`pattern_kernels`).
+    ``row_noise``: the least-squares kernels of a noisy update (:func:`pattern_kernels`);
+    ``deadline``: as in :func:`pattern_kernels` (the caller's budget).
     """
     m, B = L.shape
     k = B - found.shape[1]
@@ -443,7 +445,7 @@ def complete_missing(
     mask = mask[:, mask.sum(dim=0) >= B - 1]
     if mask.shape[1] > 1:
         mask = torch.unique(mask, dim=1)
-    return pattern_kernels(L, mask, zero_rtol, row_noise=row_noise)
+    return pattern_kernels(L, mask, zero_rtol, deadline=deadline, row_noise=row_noise)
 
 
 def slice_row_sets(h: torch.Tensor, B: int,

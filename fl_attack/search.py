@@ -6,12 +6,24 @@ dense matrix products, on whatever device ``L`` lives on.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from types import ModuleType
 
-import geoopt
 import torch
 
 from fl_attack.clock import passed
+
+
+def _geoopt() -> ModuleType:
+    """geoopt, imported on first use: at import it calls ``torch.jit.script``, which torch
+    deprecates with a FutureWarning that says nothing about this package. Exactly that warning
+    is silenced, here only; the first import pays geoopt's import time (~0.1 s)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
+                                category=FutureWarning)
+        import geoopt
+    return geoopt
 
 
 def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
@@ -78,6 +90,7 @@ def optimise_on_sphere(
         def objective(V: torch.Tensor) -> torch.Tensor:
             return sparsity_loss(V, loss, alpha)
     if optimizer == "radam":
+        geoopt = _geoopt()
         param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
         opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
@@ -103,7 +116,6 @@ def optimise_on_sphere(
                 X /= X.norm(dim=-1, keepdim=True)
         return X.detach().transpose(-1, -2).contiguous()
     raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")
-
 
 
 def random_complement(found: torch.Tensor, K: int, *, generator: torch.Generator,

@@ -1,7 +1,9 @@
-"""FedAvg updates (SPEC §7): ``W₀ - W_E`` after several local steps, attacked with
-``update="fedavg"``, on real photo batches from the library's simulated client."""
+"""FedAvg updates (SPEAR App. F, SPEAR++ §5.3): ``W₀ - W_E`` after several local steps,
+attacked with ``update="fedavg"``, on real photo batches from the library's simulated client."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,11 +12,27 @@ import fl_attack
 from fl_attack import data, metrics, models, select, simulate, updates
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread, as in the other attack test files (2 shared cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# Every attack below is bounded by its round cap, not by the clock (max_seconds=None), so its
+# outcome does not depend on the machine's load.
 def _fedavg(seed: int, epochs: int, batch_size: int | None, B: int = 20, m: int = 200,
-            lr: float = 0.01):
+            lr: float = 0.01, dead: tuple[int, ...] = ()):
+    """A FedAvg client update of a real photo batch; the first-layer units in ``dead`` get a
+    bias far below any pre-activation, so no sample ever activates them."""
     x, y = data.sample_batch("photos32", B, seed=seed)
     xn = data.normalize(x, "photos32")
     model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
+    with torch.no_grad():
+        for unit in dead:
+            models.linear_layers(model)[0].bias[unit] = -1e3
     res = simulate.local_update(model, xn, y, protocol="fedavg", lr=lr, epochs=epochs,
                                 batch_size=batch_size, seed=seed)
     dW, db, W0, b0 = updates.weight_update_pair(model.state_dict(), res.state_dict)
@@ -41,9 +59,10 @@ def test_five_full_batch_local_steps_are_certified_with_update_fedavg() -> None:
     even when the images are right; with ``update="fedavg"`` the same update is certified
     (λ = 1) and every sample is exact."""
     x, dW, db, W0, b0 = _fedavg(seed=0, epochs=5, batch_size=None)
-    plain = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, max_seconds=30)
+    plain = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, max_rounds=2, max_seconds=None)
     assert not plain.exact
-    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
+    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg",
+                           max_seconds=None)
     assert rec.exact and rec.sparsity_match == 1.0 and rec.batch_size == 20
     assert float(_score(rec, x).psnr.min()) > 90.0
 
@@ -53,20 +72,21 @@ def test_mini_batch_fedavg_still_leaks(epochs: int) -> None:
     """Mini-batches of 5 (4 steps per epoch): a sample's first step is no longer at W₀, so
     certification is not expected, but the batch is still read above 25 dB."""
     x, dW, db, W0, b0 = _fedavg(seed=4, epochs=epochs, batch_size=5)
-    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
+    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_rounds=2,
+                           max_seconds=None)
     assert rec.batch_size == 20
     assert _score(rec, x).mean_psnr > 25.0
 
 
 def test_a_dead_neuron_does_not_hide_the_batch_size_of_a_small_step_update() -> None:
-    """η = 0.001, E = 5, full batch, seed 1: one first-layer unit is inactive for every
-    sample, so its row of W₀ - W_E is exactly zero, and the float32 rounding of the weight
-    difference sits only 780x below the 20th singular value. The drop to that zero singular
-    value used to be read as the end of the signal: "full numerical rank 199", an error
-    instead of an answer (fedavg.md, session 8). Dead rows are now left out of the rank
-    estimate."""
-    x, dW, db, W0, b0 = _fedavg(seed=1, epochs=5, batch_size=None, lr=0.001)
-    assert int((dW.abs().amax(dim=1) == 0).sum()) == 1  # the premise: one dead unit
-    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_seconds=30)
+    """η = 0.001, E = 5, full batch, with one first-layer unit that no sample activates (built
+    so: its bias far below zero): its row of W₀ - W_E is exactly zero, and the float32 rounding
+    of the weight difference sits only ~10³ below the 20th singular value. The drop to the zero
+    singular value must not be read as the end of the signal ("full numerical rank 199"):
+    dead rows are left out of the rank estimate, and B = 20 is read off."""
+    x, dW, db, W0, b0 = _fedavg(seed=1, epochs=5, batch_size=None, lr=0.001, dead=(7,))
+    assert float(dW[7].abs().max()) == 0.0  # the situation: an exactly zero row
+    rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=0, update="fedavg", max_rounds=1,
+                           max_faces=4, max_seconds=None)
     assert rec.batch_size == 20
     assert _score(rec, x).mean_psnr > 25.0
