@@ -213,6 +213,10 @@ class AuditingStrategy(Strategy):
             return arrays, metrics
         t0 = time.perf_counter()
         chosen = self._sample(server_round, replies)
+        aggregate = self.attack.target == "aggregate" and self._audits_round(server_round)
+        if aggregate:  # under secure aggregation no single update is visible
+            chosen = {i: "secure aggregation: the server sees only the round's aggregate"
+                      for i in chosen}
         keep, records, futures = [], [], []
         for i, reply in enumerate(replies):
             record, job = self._inspect(server_round, reply, chosen.get(i))
@@ -225,6 +229,13 @@ class AuditingStrategy(Strategy):
             else:
                 futures.append((record, self.executor.submit(job)))
         arrays, metrics = self.strategy.aggregate_train(server_round, keep)
+        if aggregate and arrays is not None:
+            record, job = self._aggregate_job(server_round, records, arrays)
+            records.append(record)
+            if job is None:
+                self._finish(record, None)
+            else:
+                futures.append((record, self.executor.submit(job)))
         merged = MetricRecord(dict(metrics) if metrics is not None else {})
         if self.attack.mode == "blocking":
             for record, fut in futures:
@@ -286,6 +297,31 @@ class AuditingStrategy(Strategy):
             record.reason = str(exc) if zero else None
             return record, None
 
+    def _aggregate_job(self, server_round: int, records: list[ClientAudit],
+                       aggregated: ArrayRecord) -> tuple[ClientAudit, Any]:
+        """The record and job of the round's aggregate, ``W0 - W_aggregate``: a batch of every
+        aggregated client's samples (ground truth: the union of their sample indices)."""
+        clients = [r for r in records if r.status == verdicts.SKIPPED]
+        record = ClientAudit(server_round, 0, label=f"aggregate-of-{len(clients)}",
+                             protocol=self.protocol)
+        record.inputs_are = (f"The round's aggregate of {len(clients)} clients' updates (what "
+                             "a server under secure aggregation sees), attacked as one batch.")
+        indices = [i for r in clients for i in (r.sample_indices or [])]
+        record.sample_indices = indices if all(r.sample_indices for r in clients) else None
+        record.num_examples = sum(r.num_examples or 0 for r in clients)
+        try:
+            sent = self._current
+            if sent is None or not all(_same(self._sent.get(r.node_id, sent), sent)
+                                       for r in clients):
+                raise ValueError("the clients were sent different models: their aggregate is "
+                                 "no single update")
+            return record, self._job(record, sent, aggregated)
+        except ValueError as exc:
+            zero = "identically zero" in str(exc)
+            record.status = verdicts.NO_UPDATE if zero else verdicts.ATTACK_ERROR
+            record.reason, record.error = (str(exc), None) if zero else (None, str(exc))
+            return record, None
+
     def _read_metrics(self, record: ClientAudit, reply: Message) -> None:
         num = metric(reply, self.weighted_by_key)
         record.num_examples = None if num is None else int(num)
@@ -295,12 +331,14 @@ class AuditingStrategy(Strategy):
         record.noise_std = metric(reply, "noise-std")
         record.sample_indices = sample_indices(reply)
 
-    def _job(self, record: ClientAudit, sent: ArrayRecord | None, reply: Message) -> Any:
+    def _job(self, record: ClientAudit, sent: ArrayRecord | None,
+             returned: Message | ArrayRecord) -> Any:
         if sent is None:
             raise ValueError("the server has no record of the arrays it sent this node")
+        if isinstance(returned, Message):
+            returned = next(iter(returned.content.array_records.values()))
         g_state = {k: v.numpy() for k, v in sent.items()}
-        n_state = {k: v.numpy() for k, v in next(iter(reply.content.array_records.values()))
-                   .items()}
+        n_state = {k: v.numpy() for k, v in returned.items()}
         layer = choose_layer(g_state, self.attack.weight_key, self.attack.bias_key)
         record.layer, record.layer_shape = layer.weight_key, list(layer.shape)
         if not layer.first_is_linear:
@@ -428,6 +466,12 @@ class AuditingStrategy(Strategy):
                 int(stats["audit-reconstructions"]), int(stats["audit-protected"]),
                 int(stats["audit-failures"]), stats["audit-attack-seconds"])
         return stats
+
+
+def _same(a: ArrayRecord, b: ArrayRecord) -> bool:
+    """Whether two ArrayRecords hold the same arrays."""
+    return a is b or (a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy())
+                                                  for k in a.keys()))
 
 
 def _outcome_of(fut: Future[Outcome]) -> Outcome:

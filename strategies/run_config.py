@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_attack_flwr.protocol import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
-from fl_attack_flwr.settings import EXECUTORS, MODES, AttackSettings, RoundFilter
+from fl_attack_flwr.settings import EXECUTORS, MODES, TARGETS, AttackSettings, RoundFilter
 
 __all__ = [
     "CONFIG_ENV",
@@ -49,6 +49,7 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "attack-device": "auto",
     "attack-seed": 0,
     "attack-next-layer": True,
+    "audit-target": "each",
     "audit-executor": "process",
     "audit-workers": 0,
     "audit-mode": "blocking",
@@ -133,6 +134,7 @@ def attack_settings(cfg: Mapping[str, Any]) -> AttackSettings:
         device=None if device in ("", "auto") else device,
         seed=int(cfg["attack-seed"]),
         next_layer=bool(cfg["attack-next-layer"]),
+        target=str(cfg["audit-target"]),
         executor=str(cfg["audit-executor"]),
         workers=int(cfg["audit-workers"]) or None,
         mode=str(cfg["audit-mode"]),
@@ -234,6 +236,7 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("attack-device", cfg["attack-device"] in ("auto", "cpu", "")
          or str(cfg["attack-device"]).startswith("cuda"), "auto, cpu or cuda[:i]"),
         ("audit-executor", cfg["audit-executor"] in EXECUTORS, f"one of {list(EXECUTORS)}"),
+        ("audit-target", cfg["audit-target"] in TARGETS, f"one of {list(TARGETS)}"),
         ("audit-mode", cfg["audit-mode"] in MODES, f"one of {list(MODES)}"),
         ("audit-workers", cfg["audit-workers"] >= 0, ">= 0 (0 = the usable cores)"),
         ("node-wait", cfg["node-wait"] > 0, "> 0 seconds"),

@@ -13,11 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EXECUTORS", "MODES", "UPDATES", "AttackSettings", "RoundFilter", "usable_cores"]
+__all__ = ["EXECUTORS", "MODES", "TARGETS", "UPDATES", "AttackSettings", "RoundFilter",
+           "usable_cores"]
 
 EXECUTORS = ("inline", "process", "pool", "ray")
 MODES = ("blocking", "background")
 UPDATES = ("auto", "gradient", "fedavg")
+TARGETS = ("each", "aggregate")
 _EVERY = re.compile(r"^every:(\d+)$")
 
 
@@ -66,6 +68,10 @@ class AttackSettings:
         The attacked layer by its state-dict names (e.g. ``"fc1.weight"``); default the first
         linear layer with a bias. ``bias_key`` defaults to ``weight_key`` with ``weight``
         replaced by ``bias``.
+    target : {"each", "aggregate"}
+        What the server attacks: ``"each"`` client's update (what an ordinary Flower server
+        sees), or only the round's ``"aggregate"`` (what a server under secure aggregation
+        sees: the sum of the updates, a batch of every client's samples).
     update : {"auto", "gradient", "fedavg"}
         How to read the update. ``"gradient"``: one gradient step (FedSGD, DP-SGD);
         ``"fedavg"``: a sum over local steps from the sent weights; ``"auto"`` (default): try
@@ -123,6 +129,7 @@ class AttackSettings:
 
     weight_key: str | None = None
     bias_key: str | None = None
+    target: str = "each"
     update: str = "auto"
     next_layer: bool = True
     method: str = "spear++"
@@ -152,6 +159,7 @@ class AttackSettings:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid setting."""
         _choice("update", self.update, UPDATES)
+        _choice("target", self.target, TARGETS)
         _choice("executor", self.executor, EXECUTORS)
         _choice("mode", self.mode, MODES)
         _choice("method", self.method, ("spear++", "spear"))

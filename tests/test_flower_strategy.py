@@ -361,3 +361,28 @@ def test_next_layer_update_goes_with_gradient_readings_only() -> None:
     assert fedavg.next_weight_grad is None and fedavg.readings == ("fedavg",)
     off = build_job(1, 11, "c", g_state, n_state, layer, AttackSettings(next_layer=False))
     assert off.next_weight_grad is None
+
+
+def test_secure_aggregation_target_attacks_the_rounds_aggregate(world: dict, task_identity: None,
+                                                                tmp_path) -> None:
+    """What a SecAgg server sees, the aggregate of 3 clients' updates, is a batch of their 24
+    samples; the ground truth is the union of the clients' samples."""
+    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "secagg"),
+                               ground_truth=GroundTruth(DATASET, SIZE, seed=0), dataset=DATASET,
+                               attack=AttackSettings(**INLINE, target="aggregate"),
+                               protocol="fedsgd")
+    _configure(audited, world, [11, 12, 13])
+    arrays, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12, 13), gt=True))
+    audited.close()
+    ref, _ = FedAvg().aggregate_train(1, _good_replies(world, (11, 12, 13)))
+    assert _arrays_equal(arrays, ref)
+    clients = [r for r in audited.records if r.node_id != 0]
+    assert [r.status for r in clients] == ["skipped"] * 3
+    assert all("secure aggregation" in r.reason for r in clients)
+    (agg,) = [r for r in audited.records if r.node_id == 0]
+    assert agg.client_label == "aggregate-of-3" and len(agg.sample_indices) == 3 * B
+    assert agg.reconstructed and agg.batch_size == 3 * B  # one batch of all their samples
+    assert agg.true_batch_size == 3 * B and agg.psnr_mean is not None
+    if agg.status == "certified":
+        assert agg.psnr_mean > 90.0
+    assert metrics["audit-reconstructions"] == 1 and metrics["audit-skipped"] == 3
