@@ -1,0 +1,97 @@
+"""Auditing a user's own Flower app: ``examples/photo-mlp`` (its own model with its own layer
+names, its own training loop, clients that send only weights and num-examples) in a real Flower
+simulation, and the plugin's import from a directory with its own ``clients/`` and
+``strategies/`` packages after a regular (non-editable) install."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from fl_attack_flwr.store import records_from_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "photo-mlp"
+
+_RUN = textwrap.dedent("""
+    import json, sys
+    from flwr.simulation import run_simulation
+    from photo_mlp.client_app import make_client_app
+    from photo_mlp.server_app import make_server_app
+    out, name, client = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    run_simulation(
+        server_app=make_server_app({"output-dir": out, "run-name": name}),
+        client_app=make_client_app(client), num_supernodes=2,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                        "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False,
+                                      "logging_level": "ERROR"}})
+""")
+
+
+def _run_example(tmp_path: Path, name: str, client: dict) -> tuple[dict, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path), name, json.dumps(client)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run_dir = tmp_path / name
+    assert (run_dir / "summary.json").is_file(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return (json.loads((run_dir / "summary.json").read_text()),
+            records_from_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_one_step_clients_are_certified_with_pictures_of_an_inferred_shape(tmp_path: Path) -> None:
+    summary, lines = _run_example(tmp_path, "one-step", {"samples": 16, "batch-size": 16})
+    assert len(lines) == 2 and {ln["client"] for ln in lines} == {"node-1", "node-2"}
+    for ln in lines:
+        assert ln["layer"] == "fc1.weight" and ln["layer_shape"] == [128, 3072]
+        assert ln["status"] in ("certified", "not-certified", "partial")  # never an error
+        assert ln["batch_size"] == 16 and ln["reading"] == "gradient"
+        assert "inferred" in ln["inputs_are"]
+    assert summary["certified"] >= 1  # one SGD step on 16 photos: the server reads them
+    page = (tmp_path / "one-step" / "report.html").read_text()
+    assert page.count("alt=\"reconstruction\"") == 2 and "audit off" not in page
+    assert "Input shape (3, 32, 32) inferred" in page
+    for ln in lines:
+        assert (tmp_path / "one-step" / ln["dir"] / "reconstruction.png").is_file()
+
+
+def test_ordinary_fedavg_clients_are_protected_not_errors(tmp_path: Path) -> None:
+    summary, lines = _run_example(tmp_path, "fedavg", {"samples": 96, "batch-size": 32,
+                                                        "local-epochs": 2})
+    assert [ln["status"] for ln in lines] == ["protected", "protected"]
+    assert all("mixes at least min(m, n)" in ln["reason"] and ln["error"] is None for ln in lines)
+    assert summary["verdict_level"] == "safe" and summary["attack_failures"] == 0
+
+
+def test_the_plugin_import_cannot_collide_with_a_users_packages(tmp_path: Path) -> None:
+    """After a regular install, ``from fl_attack_flwr import AuditingStrategy`` works from a
+    directory holding the user's own ``clients`` and ``strategies`` packages, and theirs stay
+    theirs."""
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--target", str(site), str(ROOT)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PIP_NO_WARN_SCRIPT_LOCATION": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    user = tmp_path / "user-app"
+    for pkg in ("clients", "strategies"):
+        (user / pkg).mkdir(parents=True)
+        (user / pkg / "__init__.py").write_text(f"OWNER = 'user-{pkg}'\n")
+    probe = textwrap.dedent("""
+        import clients, strategies
+        from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore
+        from fl_attack_flwr.server_app import app
+        import fl_attack_flwr.clients.client_app as ours
+        print(clients.OWNER, strategies.OWNER, ours.__file__, AuditingStrategy.__module__)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=user, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(site), "PYTHONWARNINGS": "ignore"},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    user_clients, user_strategies, ours, module = out.stdout.split()
+    assert (user_clients, user_strategies) == ("user-clients", "user-strategies")
+    assert ours.startswith(str(site)) and module == "fl_attack_flwr.audit"
+    assert not (site / "clients").exists() and not (site / "strategies").exists()
+    assert not (site / "experiments").exists()
