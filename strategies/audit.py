@@ -104,6 +104,12 @@ class AuditingStrategy(Strategy):
         self.attack, self.store, self.protocol, self.enabled = attack, store, protocol, enabled
         self.ground_truth = ground_truth
         self.view = InputView(dataset, input_shape, input_transform)
+        if store is not None and type(self.strategy).__name__.startswith("DifferentialPrivacy"):
+            store.notes.append(
+                f"Central DP ({type(self.strategy).__name__}) clips and noises the aggregate "
+                "only: the server still receives every client's update, and this audit "
+                "attacked those. Only noise added on the client (LocalDpMod, DP-SGD) reaches "
+                "what the server sees.")
         self.records: list[ClientAudit] = []
         self.round_stats: dict[int, dict[str, Any]] = {}
         self._sent: dict[int, ArrayRecord] = {}

@@ -38,6 +38,7 @@ _STYLE = (
     ".leak{background:#fde2e1;border:2px solid #c0392b}.some{background:#fff3cd;"
     "border:2px solid #d4a017}.safe{background:#e3f6e8;border:2px solid #2e8b57}"
     ".none{background:#eee;border:2px solid #999}.st{font-weight:bold}"
+    ".facts{font-size:.8em;margin-top:.4em;color:#444}"
     "dt{font-weight:bold;margin-top:.5em}dd{margin-left:1.5em}"
 )
 
@@ -91,7 +92,17 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "report": str(Path(run_dir) / "report.html"),
     }
     summary["verdict"], summary["verdict_level"] = verdict(summary)
+    summary["notes"] = config_notes(config)
     return jsonable(summary)
+
+
+def config_notes(config: Mapping[str, Any]) -> list[str]:
+    """Warnings an auditor needs about the configuration itself."""
+    notes = []
+    if config.get("protocol") == "dpsgd" and not config.get("noise-multiplier"):
+        notes.append("DP-SGD with noise multiplier 0 is clipping only: ε = ∞, no privacy "
+                     "guarantee (set noise-multiplier > 0).")
+    return notes
 
 
 def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
@@ -176,9 +187,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[
     return "".join(out) + "</table>"
 
 
-def _explanations() -> str:
+def _explanations(records: Sequence[ClientAudit]) -> str:
+    present = {r.status for r in records}
     legend = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
-                     if k != verdicts.PENDING)
+                     if k in present)
+    others = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
+                     if k not in present and k != verdicts.PENDING)
     return (
         "<h2>How to read this report</h2><dl>"
         "<dt>The attack</dt><dd>The server inverts each client's update of one linear layer "
@@ -194,7 +208,7 @@ def _explanations() -> str:
         f"{READABLE_DB:.0f} dB an image is recognisable; below about 15 dB it is noise.</dd>"
         "<dt>ε, δ</dt><dd>The differential privacy a DP-SGD client reported (Opacus' RDP "
         "accountant): smaller ε is stronger privacy; ε = ∞ means no noise.</dd>"
-        f"{legend}</dl>"
+        f"{legend}</dl><details><summary>Other statuses</summary><dl>{others}</dl></details>"
     )
 
 
@@ -209,9 +223,10 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         "<p class='warn'>This report contains reconstructions of clients' private training "
         "data. Keep it private (it is written with owner-only permissions).</p>",
         f"<div class='verdict {summary.get('verdict_level')}' id='verdict'>"
-        f"{_esc(summary.get('verdict'))}</div>",
+        f"{_esc(summary.get('verdict'))}<div class='facts'>{_esc(_facts(summary))}</div></div>",
+        "".join(f"<p class='warn'>{_esc(n)}</p>" for n in summary.get("notes") or []),
         _summary_table(summary, records),
-        _explanations(),
+        _explanations(records),
         _rounds_section(rounds, records),
         _clients_section(records),
         _reconstructions_section(records),
@@ -221,6 +236,19 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _facts(s: Mapping[str, Any]) -> str:
+    """The run in one line under the verdict."""
+    parts = [f"{s.get('clients')} clients, {s.get('rounds')} round(s)"]
+    if s.get("protocol"):
+        parts.append(f"protocol {s['protocol']}")
+    if s.get("psnr_mean") is not None:
+        parts.append(f"mean PSNR {s['psnr_mean']:.1f} dB against the true samples")
+    if s.get("epsilon") is not None:
+        eps = s["epsilon"]
+        parts.append("DP ε = ∞" if eps == "inf" else f"DP ε = {float(eps):.3g}")
+    return "; ".join(parts) + "."
 
 
 def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit]) -> str:

@@ -301,6 +301,8 @@ class AuditStore:
         self.config: dict[str, Any] = dict(config or {})
         self.records: list[ClientAudit] = []
         self.rounds: dict[int, dict[str, Any]] = {}
+        self.notes: list[str] = []
+        """Plain-words warnings for the report (e.g. from the strategy about its setup)."""
         self.started = time.time()
         atomic_write_bytes(self.run_dir / "config.json", _dumps(self.config, indent=2).encode())
         for name in ("metrics.jsonl", "rounds.jsonl"):  # exist even with no line
@@ -364,6 +366,7 @@ class AuditStore:
 
         summary = summarize(self.records, self.rounds, self.config, run_name=self.run_name,
                             run_dir=self.run_dir, wall_seconds=time.time() - self.started)
+        summary["notes"] = [*self.notes, *summary.get("notes", [])]
         if extra:
             summary.update(jsonable(dict(extra)))
         atomic_write_bytes(self.run_dir / "summary.json", _dumps(summary, indent=2).encode())

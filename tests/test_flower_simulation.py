@@ -113,3 +113,22 @@ def test_dpsgd_scored_and_epsilon_reported(tmp_path: Path) -> None:
     assert summary["delta"] == pytest.approx(1e-5)
     assert summary["psnr_mean"] > 20.0
     assert "epsilon" in summary["train_metrics"]["1"]  # the clients' metrics reach Flower
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("batch-size=0", "batch-size must be >= 1"),
+    ("batch-size=5000", "batch-size 5000 exceeds the smallest client shard"),
+    ("num-clients=0", "num-clients must be >= 1"),
+    ("attack-options=max_secondz=5", "unknown attack option(s) ['max_secondz']"),
+    ("protocol=fedprox", "protocol must be one of"),
+    ("attack.steps=200", "unknown key 'attack.steps'"),
+])
+def test_a_bad_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str,
+                                                    message: str) -> None:
+    args = [sys.executable, "-m", "experiments.demo", "--set", f"output-dir={tmp_path}",
+            "--set", setting]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing half-written

@@ -242,3 +242,21 @@ def test_the_report_explains_statuses_and_gives_every_uncertified_row_a_reason(
     assert "activation patterns do not match" in page
     assert "noise hides the batch" in page and "attack-error" not in page.split("<h2>Clients")[1]
     assert "Showing 2 of 2 rows" in page  # tabular inputs as a table of numbers
+
+
+def test_the_report_warns_about_setups_that_give_no_privacy(tmp_path: Path) -> None:
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+
+    from fl_attack_flwr import AuditingStrategy
+
+    store = AuditStore(tmp_path, "notes", config={"protocol": "dpsgd", "noise-multiplier": 0.0})
+    central = DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0,
+                                                         clipping_norm=1.0,
+                                                         num_sampled_clients=2)
+    AuditingStrategy(central, store=store)
+    summary = store.finalize()
+    assert any("Central DP" in n and "still receives every client's update" in n
+               for n in summary["notes"])
+    assert any("clipping only: ε = ∞" in n for n in summary["notes"])
+    page = (store.run_dir / "report.html").read_text()
+    assert "Central DP" in page and "clipping only" in page
