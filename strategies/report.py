@@ -20,7 +20,8 @@ import numpy as np
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.store import ClientAudit, image_grid, jsonable, png_bytes
 
-__all__ = ["EXACT_DB", "READABLE_DB", "figure_png", "render_report", "summarize", "verdict"]
+__all__ = ["EXACT_DB", "READABLE_DB", "config_notes", "figure_png", "fmt", "html_table",
+           "inline_png", "render_report", "strategy_notes", "summarize", "verdict"]
 
 EXACT_DB = 90.0
 """PSNR above which a reconstruction is exact to float precision (the papers' threshold)."""
@@ -94,6 +95,16 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
     summary["verdict"], summary["verdict_level"] = verdict(summary)
     summary["notes"] = config_notes(config)
     return jsonable(summary)
+
+
+def strategy_notes(strategy: object) -> list[str]:
+    """Warnings about the audited strategy itself (Flower's central DP wrappers)."""
+    name = type(strategy).__name__
+    if not name.startswith("DifferentialPrivacy"):
+        return []
+    return [f"Central DP ({name}) clips and noises the aggregate only: the server still "
+            "receives every client's update, and this audit attacked those. Only noise added "
+            "on the client (LocalDpMod, DP-SGD) reaches what the server sees."]
 
 
 def config_notes(config: Mapping[str, Any]) -> list[str]:
@@ -175,11 +186,14 @@ def fmt(v: Any, digits: int = 2) -> str:
     return _esc(v)
 
 
-def _img(png: bytes, alt: str) -> str:
+def inline_png(png: bytes, alt: str) -> str:
+    """An ``<img>`` whose PNG is inline (a data URI): the page stays self-contained."""
     return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = ()) -> str:
+def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+               left: Sequence[int] = ()) -> str:
+    """An HTML table of already-escaped cells; columns in ``left`` are left-aligned."""
     out = ["<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr>"]
     for row in rows:
         out.append("<tr>" + "".join(f"<td class='l'>{c}</td>" if i in left else f"<td>{c}</td>"
@@ -231,7 +245,7 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         _clients_section(records),
         _reconstructions_section(records),
         "<h2>Configuration</h2>",
-        _table(["setting", "value"], [[_esc(k), fmt(v)] for k, v in sorted(config.items())],
+        html_table(["setting", "value"], [[_esc(k), fmt(v)] for k, v in sorted(config.items())],
                left=(0, 1)) if config else "<p>No run configuration was given.</p>",
         "</body></html>",
     ]
@@ -273,7 +287,7 @@ def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit]) -> str:
     layers = sorted({f"{r.layer} {tuple(r.layer_shape or ())}" for r in records if r.layer})
     if layers:
         rows.append(("attacked layer (m, n)", ", ".join(layers)))
-    return "<h2>Summary</h2>" + _table(["", "value"], [[_esc(k), fmt(v)] for k, v in rows],
+    return "<h2>Summary</h2>" + html_table(["", "value"], [[_esc(k), fmt(v)] for k, v in rows],
                                        left=(0,))
 
 
@@ -287,9 +301,9 @@ def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
         return ""
     rows = [[str(rnd)] + [fmt(info.get(k), d) if d else fmt(info.get(k)) for k, _, d in cols]
             for rnd, info in sorted(rounds.items())]
-    out = "<h2>Per round</h2>" + _table(["round"] + [t for _, t, _ in cols], rows)
+    out = "<h2>Per round</h2>" + html_table(["round"] + [t for _, t, _ in cols], rows)
     png = figure_png(records)
-    return out + (_img(png, "per-round metrics") if png else "")
+    return out + (inline_png(png, "per-round metrics") if png else "")
 
 
 def _clients_section(records: Sequence[ClientAudit]) -> str:
@@ -306,7 +320,7 @@ def _clients_section(records: Sequence[ClientAudit]) -> str:
         if dp:
             row += [fmt(r.epsilon), fmt(r.epsilon_cumulative), fmt(r.delta)]
         rows.append(row)
-    return "<h2>Clients</h2>" + _table(header, rows, left=(1, 2, 3, 4))
+    return "<h2>Clients</h2>" + html_table(header, rows, left=(1, 2, 3, 4))
 
 
 def _reconstructions_section(records: Sequence[ClientAudit]) -> str:
@@ -330,10 +344,10 @@ def _reconstructions_section(records: Sequence[ClientAudit]) -> str:
         if r.recon_images is None:
             out.append(_rows_table(np.asarray(r.inputs)))
             continue
-        out.append("<div class='pair'><div>" + _img(png_bytes(image_grid(r.recon_images)),
+        out.append("<div class='pair'><div>" + inline_png(png_bytes(image_grid(r.recon_images)),
                                                      "reconstruction") + "<br>reconstruction</div>")
         if r.original_images is not None:
-            out.append("<div>" + _img(png_bytes(image_grid(r.original_images)), "original")
+            out.append("<div>" + inline_png(png_bytes(image_grid(r.original_images)), "original")
                        + "<br>original</div>")
         out.append("</div>")
     return "".join(out)
@@ -345,7 +359,7 @@ def _rows_table(x: np.ndarray, max_rows: int = 8, max_cols: int = 12) -> str:
     rows_shown, cols_shown = min(max_rows, x.shape[0]), min(max_cols, x.shape[1])
     more = (f"<p>Showing {rows_shown} of {x.shape[0]} rows, {cols_shown} of {x.shape[1]} "
             "input values.</p>")
-    return _table([f"x{j}" for j in range(min(max_cols, x.shape[1]))], rows) + more
+    return html_table([f"x{j}" for j in range(min(max_cols, x.shape[1]))], rows) + more
 
 
 def figure_png(records: Sequence[ClientAudit]) -> bytes | None:

@@ -9,6 +9,7 @@ background mode and reply sampling.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
 
@@ -304,12 +305,13 @@ def test_drain_timeout_marks_unfinished_attacks(world: dict, task_identity: None
 
 
 def test_sampling_is_seeded_and_skipped_replies_say_why(world: dict, task_identity: None) -> None:
+    from fl_attack_flwr.intake import sample_replies
+
     def picked(seed: int) -> list[int]:
         settings = AttackSettings(**INLINE, fraction=0.5, sample_seed=seed, rounds="1,3")
-        audited = AuditingStrategy(_fedavg(), attack=settings)
-        _configure(audited, world, [11, 12, 13])
-        chosen = audited._sample(1, _good_replies(world, (11, 12, 13)))
-        assert audited._sample(2, _good_replies(world, (11,))) == {
+        rng = random.Random(seed)
+        chosen = sample_replies(settings, rng, 1, _good_replies(world, (11, 12, 13)))
+        assert sample_replies(settings, rng, 2, _good_replies(world, (11,))) == {
             0: "round 2 is not audited (rounds = '1,3')"}
         return [i for i, why in chosen.items() if why is None]
 
@@ -386,3 +388,15 @@ def test_secure_aggregation_target_attacks_the_rounds_aggregate(world: dict, tas
     if agg.status == "certified":
         assert agg.psnr_mean > 90.0
     assert metrics["audit-reconstructions"] == 1 and metrics["audit-skipped"] == 3
+
+
+def test_a_full_background_queue_skips_replies_and_says_why(world: dict,
+                                                           task_identity: None) -> None:
+    settings = AttackSettings(**INLINE, mode="background", max_queue=1)
+    audited = AuditingStrategy(_fedavg(), attack=settings, dataset=DATASET)
+    _configure(audited, world, [11, 12, 13])
+    _, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12, 13)))
+    audited.close()
+    statuses = sorted(r.status for r in audited.records)
+    assert metrics["audit-submitted"] == 1 and statuses.count("skipped") == 2
+    assert all("queue is full" in r.reason for r in audited.records if r.status == "skipped")

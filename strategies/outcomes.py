@@ -1,0 +1,117 @@
+"""From an attack's outcome to a finished record: verdict, pictures, score, one log line; and
+the round's numbers for Flower's MetricRecord."""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from fl_attack_flwr import verdicts
+from fl_attack_flwr.running import error_outcome
+from fl_attack_flwr.scoring import GroundTruth, InputView, score_images
+from fl_attack_flwr.store import ClientAudit
+
+__all__ = ["add_pictures", "apply_outcome", "log_record", "outcome_of", "round_metrics"]
+
+log = logging.getLogger("flwr")
+Outcome = dict[str, Any]
+
+
+def outcome_of(fut: Future[Outcome]) -> Outcome:
+    """A finished future's outcome; a cancelled or failed one becomes an error outcome."""
+    try:
+        return fut.result()
+    except Exception as exc:  # noqa: BLE001 - CancelledError included
+        status = verdicts.UNFINISHED if fut.cancelled() else verdicts.ATTACK_ERROR
+        return error_outcome(status, f"{type(exc).__name__}: {exc}")
+
+
+def apply_outcome(record: ClientAudit, outcome: Outcome) -> None:
+    """Copy the outcome's verdict, reading, timing and reconstruction into ``record``."""
+    record.status, record.reason = outcome["status"], outcome.get("reason")
+    record.error, record.reading = outcome.get("error"), outcome.get("reading")
+    record.attack_seconds = float(outcome.get("seconds") or 0.0)
+    summary = outcome.get("summary")
+    if summary is not None:
+        record.attack = summary
+        record.batch_size = int(summary["batch_size"])
+        record.sparsity_match = summary["sparsity_match"]
+        record.exact = bool(summary["exact"])
+        record.n_directions = int(summary["n_directions"])
+    record.inputs = outcome.get("inputs")
+
+
+def add_pictures(record: ClientAudit, view: InputView, truth: GroundTruth | None) -> None:
+    """Pictures of the reconstruction; with ground truth, matched to the originals and scored."""
+    try:
+        images, inferred = view.images(record.inputs)
+    except ValueError as exc:
+        record.error = f"pictures: {exc}"
+        return
+    if images is None:
+        record.inputs_are = record.inputs_are or ("The inputs are not images: the first "
+                                                  "reconstructed rows are shown as numbers.")
+        return
+    record.recon_images = images
+    if inferred and record.inputs_are is None:
+        record.inputs_are = (f"Input shape {images.shape[1:]} inferred from the layer's "
+                             f"{images[0].size} inputs; pictures scaled per image.")
+    if truth is None or not record.sample_indices:
+        return
+    try:
+        originals = truth.images(record.sample_indices)
+        score = score_images(images, originals)
+    except ValueError as exc:
+        record.error = f"scoring failed: {exc}"
+        return
+    record.true_batch_size = int(originals.shape[0])
+    record.psnr, record.psnr_mean = score.psnr, score.psnr_mean
+    record.matching, record.recon_images = score.matching, score.matched
+    record.original_images = originals.numpy()
+
+
+def log_record(record: ClientAudit) -> None:
+    """One line per finished record (round, client, status, λ, PSNR, seconds, why)."""
+    lam = "" if record.sparsity_match is None else f", λ={record.sparsity_match:.4f}"
+    psnr = "" if record.psnr_mean is None else f", PSNR {record.psnr_mean:.1f} dB"
+    secs = "" if record.attack_seconds is None else f", {record.attack_seconds:.1f}s"
+    why = record.reason or record.error
+    level = (logging.WARNING if record.status in (*verdicts.ERRORS, verdicts.CORRUPT)
+             else logging.INFO)
+    log.log(level, "[audit] round %d, %s: %s%s%s%s%s", record.server_round, record.client_label,
+            record.status, lam, psnr, secs, f" ({why})" if why else "")
+
+
+def round_metrics(records: list[ClientAudit], seconds: float) -> dict[str, float]:
+    """The audit's numbers for a round's MetricRecord (numbers only, as Flower requires)."""
+    done = [r for r in records if r.reconstructed]
+
+    def n(*statuses: str) -> int:
+        return sum(1 for r in records if r.status in statuses)
+
+    stats: dict[str, float] = {
+        "audit-replies": len(records),
+        "audit-reconstructions": len(done),
+        "audit-certified": n(verdicts.CERTIFIED),
+        "audit-protected": n(verdicts.PROTECTED),
+        "audit-skipped": n(verdicts.SKIPPED),
+        "audit-failures": n(*verdicts.ERRORS),
+        "audit-corrupt": n(verdicts.CORRUPT),
+        "audit-client-errors": n(verdicts.CLIENT_ERROR),
+        "audit-attack-seconds": float(sum(r.attack_seconds or 0.0 for r in records)),
+        "audit-seconds": float(seconds),
+    }
+    if seconds > 0 and stats["audit-attack-seconds"] > 0:
+        attacked = len(done) + n(verdicts.PROTECTED, *verdicts.ERRORS)
+        stats["audit-attacks-per-minute"] = 60.0 * attacked / seconds
+    lams = [r.sparsity_match for r in done if r.sparsity_match is not None]
+    if lams:
+        stats["audit-lambda-mean"] = float(np.mean(lams))
+    psnrs = [r.psnr_mean for r in done if r.psnr_mean is not None and math.isfinite(r.psnr_mean)]
+    if psnrs:
+        stats["audit-psnr-mean"] = float(np.mean(psnrs))
+    return stats
