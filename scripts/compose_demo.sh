@@ -61,7 +61,8 @@ RUN_NAME="compose-$(date -u +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr 
 # audit=true: clients report which samples they used, so the report scores PSNR against them.
 demo_run_config() {
     echo "num-server-rounds=1 num-clients=$NUM_CLIENTS protocol='fedsgd' dataset='photos32'" \
-         "batch-size=8 width=200 audit=true max-seconds=60.0 output-dir='/app/runs'" \
+         "batch-size=8 width=200 audit=true max-seconds=60.0 audit-executor='pool'" \
+         "output-dir='/app/runs'" \
          "run-name='$RUN_NAME'"
 }
 

@@ -107,7 +107,7 @@ wait_port() {
 cd "$ROOT"
 # Small by default: one round, batch 8, width 100, MNIST; audit off (a real deployment has no
 # ground truth). RUN_CONFIG is appended, so it overrides these.
-BASE_CONFIG="num-server-rounds=1 num-clients=$NUM_NODES batch-size=8 width=100 dataset='mnist' dataset-size=400 max-seconds=60.0 audit=false output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
+BASE_CONFIG="num-server-rounds=1 num-clients=$NUM_NODES batch-size=8 width=100 dataset='mnist' dataset-size=400 max-seconds=60.0 audit=false audit-executor='pool' output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
 # A bad setting fails here, naming the key, before any process starts.
 "$BIN/python" -m fl_attack_flwr.run_config "$BASE_CONFIG" "${RUN_CONFIG:-}" || {
     log "invalid run config: nothing was started"; exit 2; }

@@ -300,8 +300,9 @@ class AuditingStrategy(Strategy):
                                                     "aggregated": dict(metrics or {})})
         if self.enabled and records:
             log(INFO, "[audit] round %d: %d replies, %d certified, %d reconstructed, "
-                "%d protected, %d without answer, attacks %.1fs", server_round,
-                int(stats["audit-replies"]), int(stats["audit-certified"]),
+                "%d protected, %d without answer; %.1f attacks/min, %d still queued",
+                server_round, int(stats["audit-replies"]), int(stats["audit-certified"]),
                 int(stats["audit-reconstructions"]), int(stats["audit-protected"]),
-                int(stats["audit-failures"]), stats["audit-attack-seconds"])
+                int(stats["audit-failures"]), stats.get("audit-attacks-per-minute", 0.0),
+                self._inflight.queued())
         return stats

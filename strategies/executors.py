@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -301,6 +303,30 @@ def _requeued(future: Future[dict[str, Any]]) -> Future[dict[str, Any]]:
 # --------------------------------------------------------------------------- Ray
 
 
+SHARED_RAY_WAIT = 10.0
+"""Seconds the Ray executor waits for a Flower simulation engine in this process to start Ray
+(it does so while the first round is configured) before starting one itself."""
+
+
+def _simulation_ray(wait: float) -> bool:
+    """Whether Ray runs in this process (a Flower simulation's), waiting up to ``wait`` s for
+    it when a simulation engine thread is about to start it."""
+    import ray
+
+    # flwr.simulation.run_simulation runs the engine (which starts Ray) in this process
+    simulating = "flwr.server.superlink.fleet.vce.vce_api" in sys.modules
+    deadline = time.monotonic() + (wait if simulating else 0.0)
+    while not ray.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(ray.is_initialized())
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _ray_run_job(job: AttackJob) -> dict[str, Any]:
     return run_job(job, in_worker=True)
 
@@ -316,8 +342,8 @@ class RayExecutor(Executor):
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, *, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, timeout: float | None = None) -> None:
+    def __init__(self, address: str | None = None, *, num_cpus: float | None = None,
+                 num_gpus: float | None = None, timeout: float | None = None) -> None:
         self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
                                                                     num_gpus, timeout)
         self._remote: Any = None
@@ -333,14 +359,20 @@ class RayExecutor(Executor):
         with self._lock:
             if self._remote is not None:
                 return
+            shared = self.address is None and _simulation_ray(SHARED_RAY_WAIT)
             if not ray.is_initialized():
+                os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
                 kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                          "logging_level": "ERROR"}
+                                          "logging_level": "ERROR", "ignore_reinit_error": True}
                 if self.address:
                     ray.init(address=self.address, **kwargs)
                 else:
                     ray.init(num_cpus=usable_cores(), **kwargs)
                     self._started_ray = True
+            if self.num_cpus is None:
+                self.num_cpus = 0.0 if shared and not self.address else 1.0
+            if self.num_gpus is None:
+                self.num_gpus = 1.0 if _cuda_available() else 0.0
             self._remote = ray.remote(max_retries=0)(_ray_run_job)
             self._thread = threading.Thread(target=self._collect, name="fl-attack-ray",
                                             daemon=True)

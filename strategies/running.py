@@ -73,10 +73,11 @@ def _attack_once(job: AttackJob, reading: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     next_grad = job.next_weight_grad if reading == "gradient" else None
     try:
+        # torch.tensor copies: arrays that come through Ray's object store are read-only
         rec = invert(
-            torch.as_tensor(job.weight_grad), torch.as_tensor(job.bias_grad),
-            weight=torch.as_tensor(job.weight), bias=torch.as_tensor(job.bias),
-            next_weight_grad=None if next_grad is None else torch.as_tensor(next_grad),
+            torch.tensor(job.weight_grad), torch.tensor(job.bias_grad),
+            weight=torch.tensor(job.weight), bias=torch.tensor(job.bias),
+            next_weight_grad=None if next_grad is None else torch.tensor(next_grad),
             update=reading, **job.invert_kwargs,
         )
     except NotIdentifiable as exc:

@@ -104,8 +104,13 @@ class AttackSettings:
     ray_address : str, optional
         The Ray cluster of the ``ray`` executor; default the instance this process already has
         (the simulation engine's), else a new local one.
-    ray_num_cpus, ray_num_gpus : float
-        Resources one attack task asks of Ray (``ray_num_gpus`` > 0 only where CUDA is).
+    ray_num_cpus : float, optional
+        CPUs one attack task asks of Ray. ``None``: 1, except on the Ray instance of a Flower
+        simulation in this process, whose ClientApp actors hold every CPU it has: there 0, so
+        attacks are never starved of a reservation.
+    ray_num_gpus : float, optional
+        GPUs one attack task asks of Ray. ``None``: 1 where CUDA is available (the attack then
+        runs on that GPU), else 0.
     startup_timeout : float
         Seconds a worker process may take to start (importing torch).
     mode : {"blocking", "background"}
@@ -142,8 +147,8 @@ class AttackSettings:
     timeout: float | None = 600.0
     memory_limit_gb: float | None = None
     ray_address: str | None = None
-    ray_num_cpus: float = 1.0
-    ray_num_gpus: float = 0.0
+    ray_num_cpus: float | None = None
+    ray_num_gpus: float | None = None
     startup_timeout: float = 300.0
     mode: str = "blocking"
     drain_timeout: float = 600.0
@@ -176,9 +181,10 @@ class AttackSettings:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not (_number(self.fraction) and 0 < self.fraction <= 1):
             raise ValueError(f"fraction must lie in (0, 1], got {self.fraction!r}")
-        if not (_number(self.ray_num_cpus) and self.ray_num_cpus >= 0
-                and _number(self.ray_num_gpus) and self.ray_num_gpus >= 0):
-            raise ValueError("ray_num_cpus and ray_num_gpus must be numbers >= 0")
+        for name in ("ray_num_cpus", "ray_num_gpus"):
+            value = getattr(self, name)
+            if value is not None and not (_number(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0 or None, got {value!r}")
         if self.bias_key is not None and self.weight_key is None:
             raise ValueError("bias_key given without weight_key")
         RoundFilter(self.rounds)

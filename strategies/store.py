@@ -50,6 +50,7 @@ __all__ = [
     "atomic_write_bytes",
     "image_grid",
     "jsonable",
+    "make_private_dir",
     "new_run_name",
     "png_bytes",
     "records_from_jsonl",
@@ -98,7 +99,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return path
 
 
-def _make_private_dir(path: Path, *, exist_ok: bool) -> Path:
+def make_private_dir(path: Path, *, exist_ok: bool) -> Path:
     """Create ``path`` with mode ``0700`` (parents must exist); ``FileExistsError`` if it exists
     and ``exist_ok`` is false. The mode is forced with ``chmod`` (the umask may not clear it)."""
     try:
@@ -297,7 +298,7 @@ class AuditStore:
             self.root.mkdir(parents=True, mode=DIR_MODE, exist_ok=True)
             os.chmod(self.root, DIR_MODE)
         self.run_name = name
-        self.run_dir = _make_private_dir(self.root / name, exist_ok=False)
+        self.run_dir = make_private_dir(self.root / name, exist_ok=False)
         self.config: dict[str, Any] = dict(config or {})
         self.records: list[ClientAudit] = []
         self.rounds: dict[int, dict[str, Any]] = {}
@@ -314,13 +315,13 @@ class AuditStore:
         A second record with the same round and label (e.g. two replies claiming one partition
         id) gets a ``-2``, ``-3``, ... suffix instead of overwriting the first.
         """
-        round_dir = _make_private_dir(self.run_dir / f"round-{record.server_round}",
+        round_dir = make_private_dir(self.run_dir / f"round-{record.server_round}",
                                       exist_ok=True)
         base = record.client_label
         for k in range(1, 1000):
             path = round_dir / (base if k == 1 else f"{base}-{k}")
             try:
-                return _make_private_dir(path, exist_ok=False)
+                return make_private_dir(path, exist_ok=False)
             except FileExistsError:
                 continue
         raise RuntimeError(f"too many records named {base} in round {record.server_round}")

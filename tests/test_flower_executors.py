@@ -46,7 +46,7 @@ def _same_rows(a: np.ndarray, b: np.ndarray, tol: float = 1e-6) -> bool:
 def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> None:
     inline = InlineExecutor()
     pool = PoolExecutor(2, timeout=300)
-    ray_ex = RayExecutor(num_cpus=1)
+    ray_ex = RayExecutor()
     try:
         ref = inline.submit(job).result()
         outs = [f.result(timeout=600) for f in (pool.submit(job), pool.submit(job),
