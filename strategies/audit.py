@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from logging import INFO, WARNING
+from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -42,6 +42,8 @@ from fl_attack_flwr.outcomes import (
     add_pictures,
     apply_outcome,
     log_record,
+    log_round,
+    log_settings,
     outcome_of,
     round_metrics,
 )
@@ -111,6 +113,7 @@ class AuditingStrategy(Strategy):
         self._sent: dict[int, ArrayRecord] = {}
         self._current: ArrayRecord | None = None
         self._round_started: dict[int, float] = {}
+        self._round_wall: dict[int, float | None] = {}
         self._labels: dict[int, str] = {}
         self._sampler = random.Random(attack.sample_seed)
         self._lock = threading.RLock()
@@ -137,14 +140,8 @@ class AuditingStrategy(Strategy):
 
     def summary(self) -> None:
         """Log the audit settings, then the wrapped strategy's summary."""
-        a = self.attack
-        log(INFO, "\t├──> Privacy audit (%s):", "on" if self.enabled else "off")
-        log(INFO, "\t│\t├── Attack: %s, update read as %s, budget %s s, device %s",
-            a.method, a.update, a.max_seconds, a.device or "auto")
-        log(INFO, "\t│\t├── Runs on: %s executor, %s mode, hard timeout %s s", a.executor,
-            a.mode, a.timeout)
-        log(INFO, "\t│\t├── Ground truth: %s", "yes (audit mode)" if self.ground_truth else "no")
-        log(INFO, "\t│\t└── Output: %s", self.store.run_dir if self.store else "(memory)")
+        log_settings(self.attack, self.enabled, self.ground_truth is not None,
+                     str(self.store.run_dir) if self.store else "(memory)")
         self.strategy.summary()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -230,10 +227,15 @@ class AuditingStrategy(Strategy):
             for key, value in stats.items():
                 merged[key] = value
         else:
+            self._round_wall[server_round] = self._since_start(server_round)
             self._background(server_round, records, futures, t0)
             merged["audit-replies"] = len(records)
             merged["audit-submitted"] = len(futures)
         return arrays, merged
+
+    def _since_start(self, server_round: int) -> float | None:
+        started = self._round_started.get(server_round)
+        return None if started is None else time.perf_counter() - started
 
     def _submit(self, record: ClientAudit, job: AttackJob | None, records: list[ClientAudit],
                 futures: list[tuple[ClientAudit, Future[Outcome]]]) -> None:
@@ -289,20 +291,18 @@ class AuditingStrategy(Strategy):
                     metrics: MetricRecord | None) -> dict[str, float]:
         """The round's audit statistics, kept and stored; returned for the MetricRecord."""
         stats = round_metrics(records, seconds) if self.enabled else {}
-        started = self._round_started.pop(server_round, None)
         info: dict[str, Any] = dict(stats)
-        if started is not None:
-            info["train-round-seconds"] = time.perf_counter() - started
+        done = self._since_start(server_round)
+        self._round_started.pop(server_round, None)
+        wall = self._round_wall.pop(server_round, done)  # background: when the aggregate left
+        if wall is not None:
+            info["train-round-seconds"] = wall  # configure_train until the aggregate
+            info["audit-done-seconds"] = done  # ... until the round's attacks were done
         with self._lock:
             self.round_stats[server_round] = info
             if self.store is not None:
                 self.store.add_round(server_round, {**info,
                                                     "aggregated": dict(metrics or {})})
         if self.enabled and records:
-            log(INFO, "[audit] round %d: %d replies, %d certified, %d reconstructed, "
-                "%d protected, %d without answer; %.1f attacks/min, %d still queued",
-                server_round, int(stats["audit-replies"]), int(stats["audit-certified"]),
-                int(stats["audit-reconstructions"]), int(stats["audit-protected"]),
-                int(stats["audit-failures"]), stats.get("audit-attacks-per-minute", 0.0),
-                self._inflight.queued())
+            log_round(server_round, stats, self._inflight.queued())
         return stats

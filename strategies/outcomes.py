@@ -13,9 +13,11 @@ import numpy as np
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.running import error_outcome
 from fl_attack_flwr.scoring import GroundTruth, InputView, score_images
+from fl_attack_flwr.settings import AttackSettings
 from fl_attack_flwr.store import ClientAudit
 
-__all__ = ["add_pictures", "apply_outcome", "log_record", "outcome_of", "round_metrics"]
+__all__ = ["add_pictures", "apply_outcome", "log_record", "log_round", "log_settings",
+           "outcome_of", "round_metrics"]
 
 log = logging.getLogger("flwr")
 Outcome = dict[str, Any]
@@ -84,6 +86,26 @@ def log_record(record: ClientAudit) -> None:
              else logging.INFO)
     log.log(level, "[audit] round %d, %s: %s%s%s%s%s", record.server_round, record.client_label,
             record.status, lam, psnr, secs, f" ({why})" if why else "")
+
+
+def log_round(server_round: int, stats: dict[str, float], queued: int) -> None:
+    """One line per round: what the audit found, its throughput and what is still queued."""
+    log.info("[audit] round %d: %d replies, %d certified, %d reconstructed, %d protected, "
+             "%d without answer; %.1f attacks/min, %d still queued", server_round,
+             int(stats["audit-replies"]), int(stats["audit-certified"]),
+             int(stats["audit-reconstructions"]), int(stats["audit-protected"]),
+             int(stats["audit-failures"]), stats.get("audit-attacks-per-minute", 0.0), queued)
+
+
+def log_settings(a: AttackSettings, enabled: bool, ground_truth: bool, output: str) -> None:
+    """The audit's part of the strategy summary Flower logs at the start."""
+    log.info("\t├──> Privacy audit (%s):", "on" if enabled else "off")
+    log.info("\t│\t├── Attack: %s, update read as %s, budget %s s, device %s", a.method,
+             a.update, a.max_seconds, a.device or "auto")
+    log.info("\t│\t├── Runs on: %s executor, %s mode, hard timeout %s s", a.executor, a.mode,
+             a.timeout)
+    log.info("\t│\t├── Ground truth: %s", "yes (audit mode)" if ground_truth else "no")
+    log.info("\t│\t└── Output: %s", output)
 
 
 def round_metrics(records: list[ClientAudit], seconds: float) -> dict[str, float]:

@@ -239,6 +239,8 @@ class ClientAudit:
     original_images: np.ndarray | None = field(default=None, repr=False)
     matching: np.ndarray | None = field(default=None, repr=False)
     dir: str | None = None
+    stored_at: float | None = None
+    """Seconds from the start of the run until the record was stored."""
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:
@@ -264,7 +266,7 @@ class ClientAudit:
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std", "attack",
-            "dir",
+            "dir", "stored_at",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
@@ -334,6 +336,7 @@ class AuditStore:
         """
         cdir = self.client_dir(record)
         record.dir = str(cdir.relative_to(self.run_dir))
+        record.stored_at = time.time() - self.started
         if record.recon_images is not None:
             atomic_write_bytes(cdir / "reconstruction.png",
                                png_bytes(image_grid(record.recon_images)))
