@@ -38,7 +38,8 @@ clean: stop-local
 .PHONY: stop-local
 # Stop the local SuperLink that `flwr run .` started from this checkout (it outlives the command).
 stop-local:
-	-pkill -f -- "--database $(CURDIR)/.flwr/" && echo "stopped the local SuperLink" || true
+	@pkill -f -- "[f]lower-superlink .*--database $(CURDIR)/.flwr/" \
+		&& echo "stopped the local SuperLink" || echo "no local SuperLink of this checkout runs"
 
 # Flower deployment as local processes (SuperLink + 2 SuperNodes + `flwr run`), end to end.
 deploy-local: $(STAMP)

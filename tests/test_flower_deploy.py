@@ -49,12 +49,19 @@ def _flower_processes(tag: str) -> set[int]:
     return pids
 
 
-def test_deploy_local_end_to_end(tmp_path: Path) -> None:
+def _deploy(tmp_path: Path, run_config: str, timeout: int) -> tuple[str,
+                                                                    subprocess.CompletedProcess]:
+    """``scripts/deploy_local.sh`` with ``RUN_CONFIG``; the tag its processes inherit."""
     tag = uuid.uuid4().hex
-    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "runs"), "TIMEOUT": "420",
-           "RUN_CONFIG": "", "FL_ATTACK_TEST_TAG": tag}
+    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "runs"), "TIMEOUT": str(timeout - 60),
+           "RUN_CONFIG": run_config, "FL_ATTACK_TEST_TAG": tag}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "deploy_local.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=480)
+                          capture_output=True, text=True, timeout=timeout)
+    return tag, proc
+
+
+def test_deploy_local_end_to_end(tmp_path: Path) -> None:
+    tag, proc = _deploy(tmp_path, "", 480)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "run status: finished:completed" in proc.stderr
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
@@ -71,11 +78,7 @@ def test_deploy_local_end_to_end(tmp_path: Path) -> None:
 
 
 def test_deploy_local_rejects_a_bad_setting_before_starting_anything(tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "runs"), "TIMEOUT": "300",
-           "RUN_CONFIG": "protocol='nonsense' batch-size=0", "FL_ATTACK_TEST_TAG": tag}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "deploy_local.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    tag, proc = _deploy(tmp_path, "protocol='nonsense' batch-size=0", 120)
     assert proc.returncode == 2
     assert "protocol must be one of" in proc.stderr and "batch-size must be >= 1" in proc.stderr
     assert "nothing was started" in proc.stderr and "SuperLink on" not in proc.stderr
@@ -85,11 +88,7 @@ def test_deploy_local_rejects_a_bad_setting_before_starting_anything(tmp_path: P
 def test_deploy_local_fails_when_the_server_fails(tmp_path: Path) -> None:
     """A valid setting the federation cannot meet (3 clients, 2 SuperNodes) fails the run on
     the server; the script must exit non-zero and say why, and stop everything it started."""
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "OUTPUT_DIR": str(tmp_path / "runs"), "TIMEOUT": "300",
-           "RUN_CONFIG": "num-clients=3 node-wait=3.0", "FL_ATTACK_TEST_TAG": tag}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "deploy_local.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=360)
+    tag, proc = _deploy(tmp_path, "num-clients=3 node-wait=3.0", 360)
     assert proc.returncode != 0
     assert "finished:failed" in proc.stderr or "did not complete" in proc.stderr
     assert "only 2 node(s) connected" in proc.stderr
