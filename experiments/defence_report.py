@@ -10,6 +10,7 @@ leakage against accuracy (one point per defence) at the top of one self-containe
 
 from __future__ import annotations
 
+import html
 import io
 import json
 from collections.abc import Sequence
@@ -75,41 +76,61 @@ def _row(row_dir: Path, d: Defence, rounds: int) -> dict[str, Any]:
     return row
 
 
+def _esc(value: Any) -> str:
+    return html.escape(str(value))
+
+
 def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.0f}%" if whole else "–"
+
+
+#: Why a family's numbers look the way they do: facts about where each mechanism acts.
+_MECHANISM = {
+    "central-dp-server": "the server receives every raw update; the noise comes only after "
+                         "aggregation",
+    "central-dp-client": "the server receives every clipped update; the noise comes only after "
+                         "aggregation",
+    "local-dp": "the noise is added on the client, before the server sees the update",
+    "dp-sgd": "the noise is added on the client, before the server sees the update",
+    "secagg": "the server sees only the sum, yet the sum is one batch of every client's samples",
+    "secagg+": "SecAgg+ quantizes each client's weighted parameters with stochastic rounding: "
+               "the unmasked aggregate carries that rounding noise",
+}
+
+
+def _reading(row: dict[str, Any]) -> str:
+    """What the server read, from the row's counts."""
+    n, s, k = row["attacked"], row["samples"], row["certified"]
+    if row["family"] in ("secagg", "secagg+"):
+        head = f"the aggregate of {row['clients']} clients ({s} samples): "
+        if k:
+            return head + "certified exact, every sample of every client readable"
+        if row["protected"]:
+            return head + "protected, nothing read"
+    else:
+        head = ""
+        if k == n and n:
+            return f"every client's batch readable by the server ({n} of {n} certified exact)"
+        if row["protected"] == n and n:
+            return f"protected: the attack read none of the {n} updates"
+    if row["readable"]:
+        return (head + f"{row['readable']} of {s} samples readable (> {READABLE_DB:.0f} dB), "
+                f"{row['exact']} exact (> {EXACT_DB:.0f} dB), {k} of {n} updates certified")
+    return head + f"nothing readable (0 of {s} samples above {READABLE_DB:.0f} dB)"
 
 
 def sentence(row: dict[str, Any], baseline: float | None) -> str:
     """The row in plain words, built from its numbers."""
     if row.get("status") != "completed":
         return f"{row['label']}: the run did not complete ({row.get('error')})."
-    n, s = row["attacked"], row["samples"]
-    if row["family"] in ("secagg", "secagg+"):
-        who = f"the aggregate of {row['clients']} clients ({s} samples)"
-        what = ("certified: every sample of every client readable" if row["certified"] else
-                "reconstructed without a certificate" if row["reconstructed"] else
-                "protected" if row["protected"] else "no answer")
-        read = f"{who}: {what}; {row['readable']} of {s} samples above {READABLE_DB:.0f} dB"
-    elif row["certified"] == n and n:
-        read = f"every client's batch readable by the server ({n} of {n} certified exact)"
-    elif row["readable"]:
-        read = (f"{row['readable']} of {s} samples readable (> {READABLE_DB:.0f} dB), "
-                f"{row['certified']} of {n} batches certified")
-    elif row["protected"] == n and n:
-        read = f"protected: the attack read none of the {n} updates"
-    else:
-        read = f"no sample readable (> {READABLE_DB:.0f} dB) in {n} attacked updates"
-    why = {"central-dp-server": "; the server receives every raw update, noise comes only "
-                                "after aggregation",
-           "central-dp-client": "; the server receives every clipped update, noise comes only "
-                                "after aggregation"}.get(row["family"], "")
+    why = f"; {_MECHANISM[row['family']]}" if row["family"] in _MECHANISM else ""
     acc = row.get("accuracy")
     cost = ""
     if acc is not None:
         cost = f"; accuracy {100 * acc:.1f}%"
         if baseline is not None and row["family"] != "none":
             cost += f" ({100 * (acc - baseline):+.1f} points vs no defence)"
-    return f"{row['label']}: {read}{why}{cost}."
+    return f"{row['label']}: {_reading(row)}{why}{cost}."
 
 
 _COLUMNS = ("defence", "updates attacked", "certified", "protected", "samples > 25 dB",
@@ -153,12 +174,16 @@ def plot_png(rows: Sequence[dict[str, Any]]) -> bytes | None:
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    points: dict[tuple[float, float], list[str]] = {}
+    spots: list[tuple[float, float, list[str]]] = []  # rows close together share a label
     for i, r in enumerate(done):
         x, y = 100.0 * r["accuracy"], 100.0 * r["readable"] / r["samples"]
-        ax.plot([x], [y], "o", ms=8, color=f"C{i % 10}")
-        points.setdefault((round(x, 1), round(y, 1)), []).append(str(i + 1))
-    for (x, y), labels in points.items():  # rows on the same spot share one label
+        ax.plot([x], [y], ls="none", ms=8, color=f"C{i % 10}", marker="os^D"[i // 10 % 4])
+        near = next((s for s in spots if abs(s[0] - x) < 0.8 and abs(s[1] - y) < 4.0), None)
+        if near is None:
+            spots.append((x, y, [str(i + 1)]))
+        else:
+            near[2].append(str(i + 1))
+    for x, y, labels in spots:
         ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4),
                     fontsize=9)
     base = baseline_accuracy(rows)
@@ -183,18 +208,18 @@ def render_html(rows: Sequence[dict[str, Any]], header: str) -> str:
             and r.get("samples")]
     numbers = {r["key"]: i + 1 for i, r in enumerate(done)}
     png = plot_png(rows)
-    items = "".join(f"<li>{report._esc(sentence(r, base))}</li>" for r in rows)
-    table_rows = [[str(numbers.get(r["key"], "–"))] + [report._esc(c) for c in _cells(r)]
+    items = "".join(f"<li>{_esc(sentence(r, base))}</li>" for r in rows)
+    table_rows = [[str(numbers.get(r["key"], "–"))] + [_esc(c) for c in _cells(r)]
                   for r in rows]
-    details = [[report._esc(r["label"]), report._esc(", ".join(r.get("statuses") or [])),
+    details = [[_esc(r["label"]), _esc(", ".join(r.get("statuses") or [])),
                 fmt(r.get("certified_min_psnr"), 1), fmt(r.get("row_seconds"), 1),
-                report._esc(r.get("report") or "")] for r in rows]
+                _esc(r.get("report") or "")] for r in rows]
     return "\n".join([
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>fl-attack: which defence protects you</title><style>{report._STYLE}</style>"
         "</head><body>",
         "<h1>Which defence protects you?</h1>",
-        f"<p>{report._esc(header)}</p>",
+        f"<p>{_esc(header)}</p>",
         f"<ol>{items}</ol>",
         report._table(["#", *_COLUMNS], table_rows, left=(1, 7)),
         report._img(png, "leakage against accuracy") if png else "<p>No point to plot.</p>",

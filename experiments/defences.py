@@ -49,6 +49,31 @@ The same audited federation under each defence Flower offers; the server inverts
 receives in round 1 (SPEAR++, first layer) and scores it against the clients' true samples.
 Produced by `python -m experiments.defences` (see its docstring); the newest run's HTML page
 (table, plot, plain words) is `experiments/results/defences.html`.
+
+How the rows are built (`experiments/defence_*.py`): the plugin's own ClientApp `train` and
+`evaluate`, and `AuditingStrategy` outermost on the server, so the audit reads each reply as the
+server process receives it. Central DP is Flower's `DifferentialPrivacyServerSideFixedClipping` /
+`DifferentialPrivacyClientSideFixedClipping` (+ `fixedclipping_mod` on the clients' train
+handler); local DP is `LocalDpMod` on the train handler; DP-SGD is the clients' Opacus
+protocol. "Secure aggregation" is the audit's `target="aggregate"`: only the round's aggregate is
+attacked, as one batch of every client's samples. "SecAgg+" is a real run of Flower's
+`SecAggPlusWorkflow` and `secaggplus_mod`.
+
+SecAgg+ and the Message API (flwr 1.41): `flwr.serverapp` and `flwr.clientapp` have no secure
+aggregation. The only SecAgg+ is the legacy one: `SecAggPlusWorkflow` needs a `LegacyContext`
+and a legacy `flwr.server.strategy.Strategy` (`configure_fit`/`aggregate_fit`), and
+`secaggplus_mod` feeds the wrapped train function legacy `fitins.*` records and reads its reply
+with `recorddict_to_fitres`, which fails on a Message-API reply (no `fitres.*` records). So it
+cannot run with Message-API apps as they are; the SecAgg+ rows run it through thin adapters
+(`experiments/defence_secaggplus.py`): a legacy FedAvg that hands the unmasked aggregate to
+`AuditingStrategy`, and a client train function that converts `FitIns`/`FitRes` around the
+plugin's own `train`.
+
+ε is what each defence claims at δ = 1e-5: DP-SGD as the clients report it (Opacus RDP,
+composed over rounds); central DP the client-level ε of its Gaussian noise on the aggregate
+(noise multiplier z, every client every round, Opacus RDP; Flower's own accountant needs the
+`dp-accounting` package, not installed here); `LocalDpMod` the ε it is configured with, per
+round, and R·ε over R rounds by basic composition.
 """
 
 
