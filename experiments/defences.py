@@ -16,7 +16,7 @@ For each: updates certified, share of the attacked samples reconstructed above 2
 ε where defined, the clients' final accuracy, round time. Writes a section to
 ``experiments/results/defences.md`` and one HTML page (table, plot, plain words).
 
-    .venv/bin/python -m experiments.defences                 # small: about 2 minutes
+    .venv/bin/python -m experiments.defences                 # small: about a minute
     .venv/bin/python -m experiments.defences --size demo     # the demo's federation
     .venv/bin/python -m experiments.defences --only none,secagg --rounds 3
 
