@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,17 @@ def plot_png(rows: Sequence[dict[str, Any]]) -> bytes | None:
     return buf.getvalue()
 
 
-def render_html(rows: Sequence[dict[str, Any]], header: str) -> str:
-    """One self-contained page: plain-words verdicts, the table, the plot, then details."""
+def _link(path: str | None, page_dir: Path) -> str:
+    """A link to a row's own audit report, relative to the page (it lives under ``runs/``)."""
+    if not path:
+        return "–"
+    rel = Path(os.path.relpath(path, page_dir)).as_posix()
+    return f"<a href='{_esc(rel)}'>{_esc(rel)}</a>"
+
+
+def render_html(rows: Sequence[dict[str, Any]], header: str, page_dir: Path) -> str:
+    """One self-contained page: plain-words verdicts, the table, the plot, then details
+    (links to each row's audit report, relative to ``page_dir``, where the page is written)."""
     base = baseline_accuracy(rows)
     done = [r for r in rows if r.get("status") == "completed" and r.get("accuracy") is not None
             and r.get("samples")]
@@ -213,7 +223,7 @@ def render_html(rows: Sequence[dict[str, Any]], header: str) -> str:
                   for r in rows]
     details = [[_esc(r["label"]), _esc(", ".join(r.get("statuses") or [])),
                 fmt(r.get("certified_min_psnr"), 1), fmt(r.get("row_seconds"), 1),
-                _esc(r.get("report") or "")] for r in rows]
+                _link(r.get("report"), page_dir)] for r in rows]
     return "\n".join([
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>fl-attack: which defence protects you</title><style>{report._STYLE}</style>"

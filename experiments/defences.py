@@ -134,7 +134,7 @@ def write_results(rows: list[dict[str, Any]], header: str, md: Path, html: Path)
     old = md.read_text() if md.exists() else _INTRO
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(old.rstrip("\n") + "\n\n" + section)
-    atomic_write_bytes(html, render_html(rows, header).encode())
+    atomic_write_bytes(html, render_html(rows, header, html.parent).encode())
     os.chmod(html, 0o644)  # the page holds numbers and a plot, no client data
 
 

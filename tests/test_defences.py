@@ -57,7 +57,8 @@ def matrix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     (run_dir,) = list((tmp / "runs").iterdir())
     rows = {r["key"]: r for r in json.loads((run_dir / "rows.json").read_text())}
     lines = {key: records_from_jsonl(run_dir / key / "metrics.jsonl") for key in rows}
-    return {"md": md.read_text(), "html": html.read_text(), "rows": rows, "lines": lines}
+    return {"md": md.read_text(), "html": html.read_text(), "rows": rows, "lines": lines,
+            "tmp": str(tmp)}
 
 
 def test_matrix_writes_its_results(matrix_run: dict) -> None:
@@ -70,6 +71,7 @@ def test_matrix_writes_its_results(matrix_run: dict) -> None:
     for r in rows.values():  # one table line and one sentence per row
         assert f"| {r['label']} |" in md and f"- {r['label']}:" in md
     assert html.count("<img") == 1 and "<table>" in html and "Which defence" in html
+    assert matrix_run["tmp"] not in html  # links to the rows' reports are relative
 
 
 def test_matrix_numbers_keep_the_defences_promises(matrix_run: dict) -> None:
