@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,7 @@ def matrix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     rows = {r["key"]: r for r in json.loads((run_dir / "rows.json").read_text())}
     lines = {key: records_from_jsonl(run_dir / key / "metrics.jsonl") for key in rows}
     return {"md": md.read_text(), "html": html.read_text(), "rows": rows, "lines": lines,
-            "tmp": str(tmp)}
+            "html_path": str(html)}
 
 
 def test_matrix_writes_its_results(matrix_run: dict) -> None:
@@ -71,7 +72,10 @@ def test_matrix_writes_its_results(matrix_run: dict) -> None:
     for r in rows.values():  # one table line and one sentence per row
         assert f"| {r['label']} |" in md and f"- {r['label']}:" in md
     assert html.count("<img") == 1 and "<table>" in html and "Which defence" in html
-    assert matrix_run["tmp"] not in html  # links to the rows' reports are relative
+    links = re.findall(r"href='([^']*)'", html)  # each row's own report, relative to the page
+    assert len(links) == len(rows) and not any(os.path.isabs(link) for link in links)
+    page_dir = Path(matrix_run["html_path"]).parent
+    assert all((page_dir / link).is_file() for link in links)
 
 
 def test_matrix_numbers_keep_the_defences_promises(matrix_run: dict) -> None:
