@@ -226,13 +226,13 @@ def render_html(rows: Sequence[dict[str, Any]], header: str, page_dir: Path) -> 
                 _link(r.get("report"), page_dir)] for r in rows]
     return "\n".join([
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>fl-attack: which defence protects you</title><style>{report._STYLE}</style>"
+        f"<title>fl-attack: which defence protects you</title><style>{report.STYLE}</style>"
         "</head><body>",
         "<h1>Which defence protects you?</h1>",
         f"<p>{_esc(header)}</p>",
         f"<ol>{items}</ol>",
-        report._table(["#", *_COLUMNS], table_rows, left=(1, 7)),
-        report._img(png, "leakage against accuracy") if png else "<p>No point to plot.</p>",
+        report.html_table(["#", *_COLUMNS], table_rows, left=(1, 7)),
+        report.inline_png(png, "leakage against accuracy") if png else "<p>No point to plot.</p>",
         "<h2>How to read this</h2><dl>"
         "<dt>updates attacked</dt><dd>Client updates the server inverted (under secure "
         "aggregation: the round's aggregate, one batch of every client's samples).</dd>"
@@ -246,6 +246,6 @@ def render_html(rows: Sequence[dict[str, Any]], header: str, page_dir: Path) -> 
         "<dt>round s</dt><dd>Mean wall time of the rounds the audit did not attack: what the "
         "defence itself costs a round.</dd></dl>",
         "<h2>Details</h2>",
-        report._table(["defence", "statuses", "lowest PSNR of a certified update [dB]",
+        report.html_table(["defence", "statuses", "lowest PSNR of a certified update [dB]",
                        "row wall s", "the row's full audit report"], details, left=(0, 1, 4)),
         "</body></html>"])

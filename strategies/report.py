@@ -20,7 +20,7 @@ import numpy as np
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.store import ClientAudit, image_grid, jsonable, png_bytes
 
-__all__ = ["EXACT_DB", "READABLE_DB", "config_notes", "figure_png", "fmt", "html_table",
+__all__ = ["EXACT_DB", "READABLE_DB", "STYLE", "config_notes", "figure_png", "fmt", "html_table",
            "inline_png", "render_report", "strategy_notes", "summarize", "verdict"]
 
 EXACT_DB = 90.0
@@ -28,7 +28,7 @@ EXACT_DB = 90.0
 READABLE_DB = 25.0
 """PSNR above which a reconstructed image is recognisable (the SPEAR papers' DP threshold)."""
 
-_STYLE = (
+STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
     "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
     "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
     "text-align:right;vertical-align:top}th{background:#eee}td.l,th.l{text-align:left}"
@@ -232,7 +232,7 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
     title = _esc(summary.get("run_name"))
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>fl-attack audit {title}</title><style>{_STYLE}</style></head><body>",
+        f"<title>fl-attack audit {title}</title><style>{STYLE}</style></head><body>",
         f"<h1>Privacy audit: {title}</h1>",
         "<p class='warn'>This report contains reconstructions of clients' private training "
         "data. Keep it private (it is written with owner-only permissions).</p>",
