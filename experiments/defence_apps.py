@@ -26,7 +26,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import log
@@ -39,6 +39,7 @@ from flwr.serverapp.strategy import (
 )
 
 from experiments.defence_variants import Defence
+from fl_attack_flwr.wrapper import WrappingStrategy
 
 __all__ = ["NamedAction", "client_app", "fresh_state_mod", "server_app"]
 
@@ -46,7 +47,7 @@ __all__ = ["NamedAction", "client_app", "fresh_state_mod", "server_app"]
 ROW_FILE = "defence.json"
 
 
-class NamedAction(Strategy):
+class NamedAction(WrappingStrategy):
     """Delegate everything to ``strategy``; send its train messages as ``train.<action>``.
 
     Flower routes a message of type ``train.<action>`` to the ClientApp function registered
@@ -55,10 +56,10 @@ class NamedAction(Strategy):
     """
 
     def __init__(self, strategy: Strategy, action: str) -> None:
-        super().__init__()
+        super().__init__(strategy)
         if not action.isidentifier():
             raise ValueError(f"train action {action!r} must be a Python identifier")
-        self.strategy, self.action = strategy, action
+        self.action = action
 
     def summary(self) -> None:
         """Log the action, then the wrapped strategy's summary."""
@@ -71,21 +72,6 @@ class NamedAction(Strategy):
         return [Message(content=m.content, dst_node_id=m.metadata.dst_node_id,
                         message_type=f"train.{self.action}", group_id=m.metadata.group_id)
                 for m in self.strategy.configure_train(server_round, arrays, config, grid)]
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Delegate unchanged."""
-        return self.strategy.aggregate_train(server_round, replies)
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        """Delegate unchanged."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int,
-                           replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged."""
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
 
 def fresh_state_mod(msg: Message, ctx: Context, call_next: ClientAppCallable) -> Message:

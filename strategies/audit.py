@@ -54,13 +54,14 @@ from fl_attack_flwr.running import error_outcome
 from fl_attack_flwr.scoring import GroundTruth, InputView
 from fl_attack_flwr.settings import AttackSettings
 from fl_attack_flwr.store import AuditStore, ClientAudit
+from fl_attack_flwr.wrapper import WrappingStrategy
 
 __all__ = ["AuditingStrategy"]
 
 Outcome = dict[str, Any]
 
 
-class AuditingStrategy(Strategy):
+class AuditingStrategy(WrappingStrategy):
     """Wrap ``strategy`` (FedAvg by default) with a gradient-inversion privacy audit.
 
     Parameters
@@ -94,8 +95,7 @@ class AuditingStrategy(Strategy):
                  dataset: str | None = None, input_shape: tuple[int, int, int] | None = None,
                  input_transform: Callable[..., Any] | tuple[Any, Any] | None = None,
                  protocol: str | None = None, enabled: bool = True) -> None:
-        super().__init__()
-        self.strategy = strategy if strategy is not None else FedAvg()
+        super().__init__(strategy if strategy is not None else FedAvg())
         attack = attack or AttackSettings()
         if protocol is not None:
             if protocol not in UPDATE_OF_PROTOCOL:
@@ -120,9 +120,6 @@ class AuditingStrategy(Strategy):
         self._inflight = InFlight()
         self._executor: Executor | None = None
         self._finished: set[int] = set()
-
-    def __repr__(self) -> str:
-        return f"AuditingStrategy({self.strategy!r})"
 
     @property
     def weighted_by_key(self) -> str:
@@ -155,16 +152,6 @@ class AuditingStrategy(Strategy):
         if self.enabled and self._audits_round(server_round):
             self.executor.start()  # spawn workers / import torch while the clients train
         return messages
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        """Delegate unchanged."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int,
-                           replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegate unchanged."""
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
