@@ -12,7 +12,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import feasibility, filtering, peel, polish, refine, sampling, search, select
+from fl_attack import (
+    columns,
+    completion,
+    faces,
+    feasibility,
+    filtering,
+    match,
+    peel,
+    polish,
+    sampling,
+    search,
+    select,
+)
 from fl_attack.clock import passed
 from fl_attack.config import FEDAVG_TAU, AttackConfig
 from fl_attack.decompose import Decomposition, decompose
@@ -31,7 +43,7 @@ class Reconstruction:
     sparsity_match: float | None
     """λ ∈ [0, 1]; None without ``weight`` and ``bias``. Active units whose ∂L/∂Z is
     indistinguishable from zero count as matches when they are the only mismatches and no
-    more than chance explains (``chance_zeros``; ``select.sparsity_match``)."""
+    more than chance explains (``chance_zeros``; ``match.sparsity_match``)."""
     exact: bool
     """True when λ = 1 with all B directions found and no noise detected: the reconstruction
     is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
@@ -141,8 +153,8 @@ def invert(
     found = _solve(G, g, W, b, cfg, precision, generator, dev, start, timings, G2)
     run, system = found.run, found.system
     if found.peeled:  # the columns of every level, in this level's coordinates
-        Q = filtering.normalize_columns(found.dec.L.T @ found.columns)
-        run.match = select.sparsity_match(Q, system)
+        Q = columns.normalize_columns(found.dec.L.T @ found.columns)
+        run.match = match.sparsity_match(Q, system)
     else:
         Q = found.Q
     t0 = time.perf_counter()
@@ -273,7 +285,7 @@ def _solve(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None, b: torch.Te
         run.seed(seeds)
     if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
         Q = torch.ones(1, 1, dtype=torch.float64, device=device)
-        run.match = select.sparsity_match(Q, system)
+        run.match = match.sparsity_match(Q, system)
         return _Found(dec, system, run, Q, 1, noisy=run.noisy)
     while True:
         Q, n_found = run.find()
@@ -407,7 +419,7 @@ Measured at B = 150, m = 4000, DP noise f = 0.01: the 150 true columns score 0.7
 
 NEIGHBOUR_SHARE = 0.25
 """Share of ``AttackConfig.max_seconds`` the neighbour search after round 1
-(``refine.conditional_directions``) may take. Clean runs at (210,4000) spent 40-80 s of 400
+(``faces.conditional_directions``) may take. Clean runs at (210,4000) spent 40-80 s of 400
 there; under DP noise at (150,4000) (f = 0.01) the first round's pool held 2738 columns and the
 search took 314 s of the 400, leaving none for the completions and selection."""
 
@@ -437,7 +449,7 @@ class _Search:
         self.pool_score = torch.empty(0, dtype=torch.long, device=device)
         """Sparsity of each pool column, the pool's order: its zero count, under noise
         ``filtering.noisy_sparsity``."""
-        self.match: select.Match | None = None
+        self.match: match.Match | None = None
         self.rounds = self.swaps = self.n_candidates = 0
         self.noisy = noisy_update(dec)
         S = dec.singular_values[:self.B].to(device=device, dtype=torch.float64)
@@ -471,9 +483,9 @@ class _Search:
         peeled ones' directions fall outside it and are dropped)."""
         L = self.dec.L.to(self.pool)
         q = L.T @ directions.to(self.pool)
-        q = filtering.normalize_columns(q[:, q.norm(dim=0) > 1 - SEED_TOL])
+        q = columns.normalize_columns(q[:, q.norm(dim=0) > 1 - SEED_TOL])
         if q.shape[1]:
-            self._add(q, filtering.zero_mask(L @ q, self.system.zero_rtol).sum(dim=0))
+            self._add(q, columns.zero_mask(L @ q, self.system.zero_rtol).sum(dim=0))
 
     def _objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The loss of the SPEAR++ search; None: the configured sparsity loss φ."""
@@ -523,8 +535,8 @@ class _Search:
         pz = torch.cat([self.pool_score, score.to(self.pool_score)])
         order = torch.argsort(pz, descending=True, stable=True)
         pool, pz = pool[:, order], pz[order]
-        idx = filtering.dedupe(pool, self.cfg.dedupe_tol)
-        self.pool = filtering.normalize_columns(pool[:, idx])
+        idx = columns.dedupe(pool, self.cfg.dedupe_tol)
+        self.pool = columns.normalize_columns(pool[:, idx])
         self.pool_score = pz[idx]
         self.n_candidates = self.pool.shape[1]
 
@@ -566,8 +578,8 @@ class _Search:
             milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
             objective=self._objective(), deadline=self.deadline,
         )
-        Qopt = filtering.normalize_columns(Qopt.double())
-        Qopt = Qopt[:, filtering.dedupe(Qopt, 1e-4)]  # most starts share a few minima
+        Qopt = columns.normalize_columns(Qopt.double())
+        Qopt = Qopt[:, columns.dedupe(Qopt, 1e-4)]  # most starts share a few minima
         self._tick("search", t0)
         t0 = time.perf_counter()
         if cfg.polish and irls and deflate and not self._out_of_time():
@@ -591,7 +603,7 @@ class _Search:
             return
         else:
             Qp = Qopt.double()
-            zeros = filtering.zero_mask(self.dec.L @ Qp, self.system.zero_rtol).sum(dim=0)
+            zeros = columns.zero_mask(self.dec.L @ Qp, self.system.zero_rtol).sum(dim=0)
         self._tick("polish", t0)
         self._add(Qp, zeros)
 
@@ -624,7 +636,7 @@ class _Search:
         rows = sampling.random_row_subsets(L.shape[0], B - 1, S, generator=self.generator)
         C, rank_ok = sampling.submatrix_kernels(L, rows.to(L.device))
         self.samples += S
-        zeros = filtering.zero_mask(L @ C, self.system.zero_rtol).sum(dim=0)
+        zeros = columns.zero_mask(L @ C, self.system.zero_rtol).sum(dim=0)
         keep = rank_ok & (zeros >= self.min_zeros)
         self._tick("search", t0)
         if bool(keep.any()):
@@ -650,9 +662,9 @@ class _Search:
             if budget <= 0 or self._out_of_time(deadline):
                 break
             if vertex:
-                N = refine.vertex_face_basis(L, Q[:, j], rtol, self.cfg.max_leverage)
+                N = faces.vertex_face_basis(L, Q[:, j], rtol, self.cfg.max_leverage)
             else:
-                N = refine.face_basis(L, Q[:, j], n_rows, rtol)
+                N = faces.face_basis(L, Q[:, j], n_rows, rtol)
             if N.shape[1] < 2 or N.shape[1] > self.cfg.max_face_dim:
                 continue
             shared = (L @ N).norm(dim=1)
@@ -661,7 +673,7 @@ class _Search:
                 continue
             self.faces_seen.add(key)
             budget -= 1
-            Qf, zf = refine.split_face(L, N, zero_rtol=rtol, generator=self.generator)
+            Qf, zf = faces.split_face(L, N, zero_rtol=rtol, generator=self.generator)
             if Qf.shape[1]:
                 found.append(Qf)
                 counts.append(zf)
@@ -716,16 +728,13 @@ class _Search:
     def _missing_candidates(self, found: torch.Tensor, *, sampled: bool,
                             deadline: float | None = None) -> torch.Tensor:
         """Candidates for the columns missing from ``found`` from W and b: the exact completion
-        (``refine.complete_missing``) or slice sampling (``refine.sample_missing``, until
+        (``completion.complete_missing``) or slice sampling (``completion.sample_missing``, until
         ``deadline``, by default the search's)."""
-        args = (self.dec.L, self.dec.R, self.system.weight, self.system.bias, found,
-                self.system.t)
         if not sampled:
-            return refine.complete_missing(*args, zero_rtol=self.system.zero_rtol,
-                                           row_noise=self.row_noise,
-                                           deadline=self.deadline if deadline is None else deadline)
-        return refine.sample_missing(*args, zero_rtol=self.system.zero_rtol,
-                                     row_noise=self.row_noise,
+            return completion.complete_missing(self.system, found, row_noise=self.row_noise,
+                                               deadline=self.deadline if deadline is None
+                                               else deadline)
+        return completion.sample_missing(self.system, found, row_noise=self.row_noise,
                                      generator=self.generator,
                                      n_samples=self.cfg.slice_samples or 2048,
                                      deadline=self.deadline if deadline is None else deadline)
@@ -745,7 +754,7 @@ class _Search:
                 or not self.cfg.verify_dim or missing > self.cfg.verify_dim):
             return keep
         t0 = time.perf_counter()
-        zero = filtering.zero_mask(self.dec.L @ cols, self.system.zero_rtol).cpu()
+        zero = columns.zero_mask(self.dec.L @ cols, self.system.zero_rtol).cpu()
         keys = [zero[:, j].numpy().tobytes() for j in range(F)]
         todo = [j for j, key in enumerate(keys)
                 if key not in self.verdicts or missing <= self.verdicts[key][1] // 2]
@@ -765,7 +774,7 @@ class _Search:
         """Select and check whether the selection is complete and certified enough."""
         t0 = time.perf_counter()
         Q, count, _, idx = self._select()
-        self.match = select.sparsity_match(Q, self.system) if count == self.B else None
+        self.match = match.sparsity_match(Q, self.system) if count == self.B else None
         self.trusted = Q[:, :count]
         if self.row_noise is not None:  # under noise no pattern matches on every unit
             self.trusted = self.trusted[:, self.pool_score[idx] >= NOISY_TRUST * self.min_zeros]
@@ -807,7 +816,7 @@ class _Search:
         last, stale = None, 0
         if not spear and self.cfg.slice_first:
             # complete from nothing (the empty pool selects no column): the slice of all B
-            # samples (refine.sample_missing)
+            # samples (completion.sample_missing)
             Q, count, done = self._completions(*self._done())
             if self.cfg.progress:
                 print(f"[fl_attack] slice sampling before the search: {count}/{self.B} "
@@ -831,7 +840,7 @@ class _Search:
                       f"{self.n_candidates} candidates, "
                       f"{count}/{self.B} directions ({trusted} trusted), λ={lam}", flush=True)
             # a full basis whose pool no round changes any more: λ < 1 is final (λ forgives a
-            # few chance zeros at active units, select.sparsity_match, but not every true basis
+            # few chance zeros at active units, match.sparsity_match, but not every true basis
             # reaches 1: e.g. a sample with a tiny loss gradient has a column at the noise level)
             if self.peeled is not None:
                 return Q, count
@@ -844,7 +853,7 @@ class _Search:
                     and not self._out_of_time()):
                 t0 = time.perf_counter()
                 limit = self._from_now(NEIGHBOUR_SHARE)  # half of it for the seeds
-                seeds = refine.conditional_directions(
+                seeds = faces.conditional_directions(
                     self.dec.L, self.pool, zero_rtol=self.system.zero_rtol,
                     generator=self.generator, deadline=self._from_now(NEIGHBOUR_SHARE / 2))
                 self._split_faces(seeds, self._n_rows(), deadline=limit)
@@ -858,7 +867,7 @@ class _Search:
         (``self.peeled``), so that the caller peels them off."""
         if self.peeler is None or self.trusted is None or self._out_of_time(deadline):
             return False
-        zero = filtering.zero_mask(self.dec.L @ self.trusted, self.system.zero_rtol).cpu()
+        zero = columns.zero_mask(self.dec.L @ self.trusted, self.system.zero_rtol).cpu()
         keys = [zero[:, j].numpy().tobytes() for j in range(zero.shape[1])]
         todo = [j for j, key in enumerate(keys) if key not in self.peel_tried]
         if len(todo) < min_new:
@@ -884,7 +893,7 @@ class _Search:
                 positions=self.cfg.swap_positions, deadline=self.finish_deadline,
             )
         else:
-            self.match = select.sparsity_match(Q, self.system)
+            self.match = match.sparsity_match(Q, self.system)
         self._tick("select", t0)
         if count == self.B and self.match is not None and self.match.value < 1.0:
             Q = self._repair(Q)
@@ -893,7 +902,7 @@ class _Search:
             Q = Q.clone()
             Q[:, :count] = polish.noisy_refit(self.dec.L, Q[:, :count], self.row_noise)
             if self.match is not None:
-                self.match = select.sparsity_match(Q, self.system)
+                self.match = match.sparsity_match(Q, self.system)
             self._tick("refit", t0)
         self.exhausted = self.exhausted or self._out_of_time(self.finish_deadline)
         return Q, count
@@ -926,7 +935,7 @@ class _Search:
             Qc = Qc[:, torch.argsort(zeros, descending=True, stable=True)]
             r = bad.numel()
             # the sparsest candidates; C(24, 3) = 2024 trials for three columns
-            Qc = Qc[:, filtering.dedupe(Qc, self.cfg.dedupe_tol)][:, :64 if r < 3 else 24]
+            Qc = Qc[:, columns.dedupe(Qc, self.cfg.dedupe_tol)][:, :64 if r < 3 else 24]
             combos = (torch.arange(Qc.shape[1])[:, None] if r == 1
                       else torch.combinations(torch.arange(Qc.shape[1]), r))
             for combo in combos.tolist():
@@ -935,9 +944,9 @@ class _Search:
                 trial = torch.cat([Q[:, good], Qc[:, combo]], dim=1)
                 if torch.linalg.matrix_rank(trial) < self.B:
                     continue
-                match = select.sparsity_match(trial, self.system)
-                if match is not None and match.value > best.value:
-                    best_Q, best = trial, match
+                got = match.sparsity_match(trial, self.system)
+                if got is not None and got.value > best.value:
+                    best_Q, best = trial, got
         self.match = best
         self._tick("repair", t0)
         return best_Q

@@ -25,8 +25,8 @@ import torch
 from scipy.optimize import linprog
 
 from fl_attack.clock import passed
-from fl_attack.filtering import zero_mask
-from fl_attack.refine import dual_slice
+from fl_attack.columns import zero_mask
+from fl_attack.completion import dual_slice
 from fl_attack.scale import LayerSystem
 
 FAIL_MARGIN = -1e-2

@@ -1,4 +1,5 @@
-"""Step 3 (SPEC §3.2, §4): keep candidate directions that are sparse enough and new (up to sign)."""
+"""Filtering candidates (SPEAR §4.1, SPEAR++ §4.3): the sparsity a true column must show, and
+how clearly sparse a column is under noise."""
 
 from __future__ import annotations
 
@@ -23,12 +24,6 @@ def min_zero_count(m: int, p_false_reject: float, tau: float | None = None) -> i
     return max(k, 0) + 1
 
 
-def zero_mask(V: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Entries of each column of ``V`` (m, K) that are numerically zero relative to its max."""
-    scale = V.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(V.dtype).tiny)
-    return V.abs() <= rtol * scale
-
-
 def noise_scales(Q: torch.Tensor, row_noise: torch.Tensor) -> torch.Tensor:
     """Std of the noise on each entry of L q for the columns q of ``Q`` (B, K) (K,).
 
@@ -42,6 +37,7 @@ def noise_scales(Q: torch.Tensor, row_noise: torch.Tensor) -> torch.Tensor:
 
 CLEAR_ZERO_SD = 3.0
 """Entries within this many noise stds count as zeros in :func:`noisy_sparsity`."""
+
 
 CLEAR_SIGNAL_SD = 20.0
 """Entries beyond this many noise stds count as clearly active in :func:`noisy_sparsity`."""
@@ -63,23 +59,3 @@ def noisy_sparsity(V: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     r = V.abs() / scale.clamp_min(torch.finfo(V.dtype).tiny)
     zero = r <= CLEAR_ZERO_SD
     return zero.sum(dim=0) - ((~zero) & (r <= CLEAR_SIGNAL_SD)).sum(dim=0)
-
-
-def normalize_columns(Q: torch.Tensor) -> torch.Tensor:
-    """Unit-norm columns with a canonical sign (largest-magnitude entry positive)."""
-    Q = Q / Q.norm(dim=0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
-    idx = Q.abs().argmax(dim=0)
-    sign = torch.sign(Q.gather(0, idx[None])).squeeze(0)
-    sign[sign == 0] = 1
-    return Q * sign
-
-
-def dedupe(Q: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
-    """Indices of the columns of ``Q`` to keep: the first of each group of ± duplicates."""
-    K = Q.shape[1]
-    if K <= 1:
-        return torch.arange(K, device=Q.device)
-    Qn = normalize_columns(Q)
-    cos = (Qn.T @ Qn).abs()
-    dup = torch.triu(cos > 1 - tol, diagonal=1).any(dim=0)
-    return torch.nonzero(~dup).squeeze(1)

@@ -49,11 +49,12 @@ import torch
 from fl_attack import attack as _attack
 from fl_attack import search
 from fl_attack.clock import passed
+from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
-from fl_attack.filtering import normalize_columns, zero_mask
+from fl_attack.match import ambiguous, forgive_chance_zeros
 from fl_attack.scale import LayerSystem
-from fl_attack.select import _ambiguous, best_swap, forgive_chance_zeros
+from fl_attack.select import best_swap
 
 __all__ = [
     "InputMatch",
@@ -156,7 +157,7 @@ def pattern_match(
     Z = (X @ weight.T + bias).T  # (m, B)
     V = D.T  # (m, B)
     Dzero = zero_mask(V, zero_rtol)
-    amb = _ambiguous(V, zero_rtol)
+    amb = ambiguous(V, zero_rtol)
     agree, forgiven = forgive_chance_zeros(_agree(Z, Dzero, z_band) | amb, Z, amb, Dzero, z_band)
     per = agree.sum(dim=0)
     m, B = V.shape
@@ -227,7 +228,7 @@ def greedy_swaps(
             Z = Zcur[:, :, None].expand(m, B, i.numel()).clone()
             Z[:, i, p_idx] = z_spare[:, us] / u_spare[us] + bias[:, None]
             Vz = zero_mask(V.reshape(m, -1), rtol).reshape(m, B, -1)
-            amb = _ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
+            amb = ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
             agree = _agree(Z.reshape(m, -1), Vz.reshape(m, -1), band).reshape(m, B, -1) | amb
             total = agree.sum(dim=(0, 1)).to(torch.float64)
             total[u_spare[us] <= 0] = -1.0
