@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from fl_attack.clock import passed
+from fl_attack.tuning import TUNING
 
 
 def _geoopt() -> ModuleType:
@@ -39,6 +40,20 @@ def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
     if loss == "l4":
         return -V.pow(4).sum(dim=-1)
     raise ValueError(f"unknown loss {loss!r}; choose 'l1', 'logcosh' or 'l4'")
+
+
+def signed_sparsity_loss(V: torch.Tensor, loss: str, alpha: float,
+                         kappa: float = TUNING.sign_penalty) -> torch.Tensor:
+    """φ(v) + κ min(Σ_j v_j⁺, Σ_j v_j⁻) per row of ``V`` (..., K, n).
+
+    The inputs of a layer preceded by a ReLU are non-negative and, on real data, share most of
+    their zeros, so differences of two inputs are about as ℓ1-sparse as the inputs themselves
+    and plain ℓ1 stalls at them. The penalty charges a direction for its minority-sign mass:
+    ±x_i (one sign) pays nothing extra, mixtures with opposite signs do.
+    """
+    pos = V.clamp_min(0).sum(dim=-1)
+    neg = (-V).clamp_min(0).sum(dim=-1)
+    return sparsity_loss(V, loss, alpha) + kappa * torch.minimum(pos, neg)
 
 
 def random_sphere(K: int, B: int, *, generator: torch.Generator, dtype: torch.dtype,

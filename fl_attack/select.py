@@ -225,25 +225,5 @@ class OutputSwaps:
             spr[:, u] = swapped
 
 
-def greedy_swaps(
-    Q: torch.Tensor,
-    spare: torch.Tensor,
-    system: LayerSystem,
-    *,
-    max_swaps: int = 200,
-    positions: int = 6,
-    chunk_elems: int = 2**25,
-    deadline: float | None = None,
-) -> tuple[torch.Tensor, Match | None, int]:
-    """Stage 2 on the output side: :func:`swap_greedily` with :class:`OutputSwaps`.
-
-    Returns (Q, its Match (None without weight and bias), number of swaps made).
-    """
-    if system.WR is None or system.bias is None or spare.shape[1] == 0:
-        return Q, sparsity_match(Q, system), 0
-    return swap_greedily(Q, spare, OutputSwaps(system, Q, spare), max_swaps=max_swaps,
-                         positions=positions, chunk_elems=chunk_elems, deadline=deadline)
-
-
-__all__ = ["OutputSwaps", "SwapScorer", "best_swap", "complete_basis", "greedy_swaps",
-           "stage1", "swap_greedily"]
+__all__ = ["OutputSwaps", "SwapScorer", "best_swap", "complete_basis", "stage1",
+           "swap_greedily"]

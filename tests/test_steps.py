@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_attack import (
-    attack,
+    certify,
     clock,
     columns,
     completion,
@@ -30,8 +30,12 @@ from fl_attack import (
     search,
     select,
 )
+from fl_attack.clock import Clock
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import make_system
+from fl_attack.state import SearchState, search_context
+from fl_attack.tolerances import tolerances
+from fl_attack.tuning import TUNING
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -317,10 +321,11 @@ def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
     spare = torch.cat([junk, Qt[:, :2]], dim=1)
     before = match.sparsity_match(Q, system)
     assert before is not None and before.value < 1.0
-    fixed, got, swaps = select.greedy_swaps(Q, spare, system)
+    fixed, got, swaps = select.swap_greedily(Q, spare, select.OutputSwaps(system, Q, spare))
     assert got is not None and got.value == 1.0 and swaps == 2
     assert _hits(Qt, fixed) == set(range(20))
-    kept, late, none = select.greedy_swaps(Q, spare, system, deadline=0.0)
+    kept, late, none = select.swap_greedily(Q, spare, select.OutputSwaps(system, Q, spare),
+                                            deadline=0.0)
     assert none == 0 and torch.equal(kept, Q)
     assert late is not None and late.value == before.value
 
@@ -359,7 +364,7 @@ def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
 
 
 def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
-    """The final repair (``_Search._repair``) replaces the mismatching columns of a full basis by
+    """The final repair (``certify.repair``) replaces the mismatching columns of a full basis by
     the exact completion's candidates without the leverage cut of the search: a true column
     can have a zero row of leverage above ``max_leverage`` (a sample whose zero rows nearly all
     belong to another's: measured 0.9925 at (30, 200) batch 3). Built directly: the true
@@ -369,7 +374,7 @@ def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
     t = _truth(30, 200, seed=3)
     probe = config.AttackConfig()
     dec = decompose(t["G"], floor_rtol=1e-6)
-    zero_rtol, z_band = attack.tolerances(dec, probe, torch.float32)
+    zero_rtol, z_band = tolerances(dec, probe, torch.float32)
     system = make_system(dec.L, dec.R, t["g"], t["W"], t["b"], zero_rtol, z_band)
     Qt = columns.normalize_columns(dec.L.T @ t["D"])
     lev = polish.max_leverage(dec.L, Qt, columns.zero_mask(dec.L @ Qt, zero_rtol))
@@ -378,12 +383,12 @@ def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
     cfg = config.AttackConfig(max_leverage=float(lev[j]) - 1e-4)
     Q = Qt.clone()
     Q[:, j] = columns.normalize_columns(Qt[:, j:j + 1] + 0.3 * Qt[:, k:k + 1])[:, 0]
-    run = attack._Search(cfg, dec, system, torch.Generator().manual_seed(0),
-                         torch.device("cpu"), {}, time.perf_counter())
-    run.match = match.sparsity_match(Q, system)
-    assert run.match is not None and run.match.value < 1.0
-    fixed = run._repair(Q)
-    assert run.match.value == 1.0 and _hits(Qt, fixed) == set(range(30))
+    ctx = search_context(cfg, dec, system, torch.Generator().manual_seed(0),
+                         torch.device("cpu"), Clock(None))
+    state = SearchState(match=match.sparsity_match(Q, system))
+    assert state.match is not None and state.match.value < 1.0
+    fixed = certify.repair(ctx, state, Q)
+    assert state.match.value == 1.0 and _hits(Qt, fixed) == set(range(30))
 
 
 def test_chance_zero_allowance_is_a_poisson_quantile() -> None:
@@ -464,7 +469,7 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     ratio = measured / filtering.noise_scales(Qt, row_noise)
     assert 0.9 < float(ratio.median()) < 1.1 and 0.7 < float(ratio.min())
     assert float(ratio.max()) < 1.4
-    trust = attack.NOISY_TRUST * filtering.min_zero_count(200, 1e-5)
+    trust = TUNING.noisy_trust * filtering.min_zero_count(200, 1e-5)
     score = filtering.noisy_sparsity(V, filtering.noise_scales(Qt, row_noise))
     assert bool((score >= trust).all())
     Qr = torch.randn(20, 500, generator=gen, dtype=G.dtype)
@@ -492,7 +497,7 @@ def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
     B, m = 40, 1000
     t, dec, row_noise, gen = _noisy_truth(B, m)
     assert dec.batch_size == B
-    zero_rtol, _ = attack.tolerances(dec, config.AttackConfig(), torch.float32)
+    zero_rtol, _ = tolerances(dec, config.AttackConfig(), torch.float32)
     Qt = dec.L.T @ t["D"]
     zero = t["D"] == 0  # (m, B) each sample's true zero rows
     faces = zero[:, : B // 2] & zero[:, B // 2:]  # rows two samples share: 2-d kernels
@@ -522,5 +527,5 @@ def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -
     assert float(err_after.median()) < 0.2 * float(err_before.median())
     assert bool(((out[:, :B] * off).sum(dim=0) > 0).all())  # signs kept
     score = filtering.noisy_sparsity(dec.L @ out, filtering.noise_scales(out, row_noise))
-    trust = attack.NOISY_TRUST * filtering.min_zero_count(m, 1e-5)
+    trust = TUNING.noisy_trust * filtering.min_zero_count(m, 1e-5)
     assert bool((score[:B] >= trust).all()) and int(score[B:].max()) < 0.5 * trust
