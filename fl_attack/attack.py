@@ -38,17 +38,54 @@ def invert(
 ) -> Reconstruction:
     """Recover the batch that produced a linear layer's gradient (SPEAR / SPEAR++).
 
-    ``weight_grad`` (m, n) and ``bias_grad`` (m,) are ∂L/∂W and ∂L/∂b of ``nn.Linear(n, m)``, or a
-    weight update ``W₀ - W_E``, ``b₀ - b_E`` (FedAvg; the learning rate cancels). ``weight`` and
-    ``bias`` (the layer's parameters the client started from) enable the sparsity-matching
-    certificate λ and the greedy selection; without them the result is never marked exact.
-    Options are the fields of :class:`AttackConfig` (unknown names raise ``TypeError``).
+    Parameters
+    ----------
+    weight_grad : (m, n) tensor or array
+        ∂L/∂W of ``nn.Linear(n, m)``, or a weight update ``W₀ - W_E`` (FedAvg, DP-SGD; the
+        learning rate cancels).
+    bias_grad : (m,) tensor or array
+        ∂L/∂b, or ``b₀ - b_E``.
+    weight : (m, n), optional
+        The layer's weight the client started from; with ``bias`` it enables the
+        sparsity-matching certificate λ and the greedy selection (without them the result is
+        never marked exact).
+    bias : (m,), optional
+        The layer's bias (pass both or neither).
+    method : {"spear++", "spear"}
+        Dictionary learning (polynomial in B) or SPEAR's sampling (exponential in B).
+    seed : int
+        Seeds the search's random generator (same seed, same machine: same result).
+    device : str or torch.device, optional
+        Where the search runs; None picks CUDA when available.
+    config : AttackConfig, optional
+        Base options; ``options`` override its fields.
+    next_weight_grad : (k, m), optional
+        The weight gradient of the linear layer this layer's ReLU feeds (same batch, same
+        step): found samples are then recovered and verified one by one and taken off the
+        gradient, so the rest is searched as a smaller batch (``fl_attack.peel``, beyond the
+        papers). Needs ``weight`` and ``bias``; clean single-step gradients only.
+    **options
+        Fields of :class:`AttackConfig` (e.g. ``max_seconds``, ``sparse``, ``update``).
 
-    ``next_weight_grad`` (k, m), the weight gradient of the linear layer that this layer's ReLU
-    feeds (same batch, same step), lets found samples be recovered and verified one by one and
-    taken off the gradient, so the rest is searched as a smaller batch (``fl_attack.peel``;
-    beyond the papers, which use one layer). Needs ``weight`` and ``bias``; clean FedSGD
-    gradients only (not ``update="fedavg"``; ignored when noise is detected).
+    Returns
+    -------
+    Reconstruction
+        ``inputs`` (B, n) float64 on the CPU in arbitrary order; ``exact`` when certified
+        (λ = 1, all B directions, no noise); ``budget_exhausted`` when the time budget
+        (``max_seconds``, 120 s by default) ended the search.
+
+    Raises
+    ------
+    TypeError
+        An unknown option, or an argument that is not a real tensor or array.
+    ValueError
+        An invalid option value, wrong shapes, non-finite or all-zero gradients, a weight
+        without a bias, a batch not smaller than the layer (full numerical rank), an unknown
+        or unavailable device, or a ``next_weight_grad`` that cannot belong to this layer.
+
+    See Also
+    --------
+    docs/algorithm.md : the pipeline step by step, with the papers' section numbers.
     """
     start = time.perf_counter()
     cfg = AttackConfig.from_options(config, method=method, **options)

@@ -37,6 +37,16 @@ def assess(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Asses
     Sets ``state.match``, ``state.trusted`` (clean: the columns whose patterns match on all m
     units; partial: the feasible ones; noisy: those scoring ``Tuning.noisy_trust`` of a true
     column's sparsity) and ``state.deflated`` (what later rounds search the complement of).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search (:mod:`fl_attack.state`); the state's selection fields are set here.
+
+    Returns
+    -------
+    Assessment
+        The selection (B, B), how many of its columns are from the pool, whether done.
     """
     t0 = time.perf_counter()
     sel = pool.select()
@@ -67,6 +77,18 @@ def feasible(ctx: SearchContext, state: SearchState, cols: torch.Tensor) -> torc
     columns are missing; a verdict is kept until the number missing has halved (the test
     tightens as columns are added). Clean single-step updates with weight and bias only (a
     FedAvg column's zero rows are only part of its W₀ pattern, which the LP cannot test).
+
+    Parameters
+    ----------
+    ctx, state
+        The search's context and state (``state.verdicts`` caches the LPs' verdicts).
+    cols : (B, F)
+        Found unit columns, F < B.
+
+    Returns
+    -------
+    torch.Tensor
+        (F,) bool, True for the columns to keep.
     """
     F = cols.shape[1]
     missing = ctx.B - F
@@ -98,6 +120,11 @@ def finish(ctx: SearchContext, state: SearchState,
     (:func:`repair`) and, under noise, the found columns re-estimated from all their zero rows
     (``polish.noisy_refit``). Runs until the finish deadline; sets ``state.match``,
     ``state.swaps`` and, when that deadline passed, ``state.exhausted``.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the pool's spare columns are what stage 2 swaps in.
 
     Returns
     -------
@@ -139,6 +166,18 @@ def repair(ctx: SearchContext, state: SearchState, Q: torch.Tensor) -> torch.Ten
     leverage cut here: every trial must raise λ to be kept, and a true column can have a zero
     row of leverage above ``cfg.max_leverage`` (a sample whose zero rows nearly all belong to
     another's).
+
+    Parameters
+    ----------
+    ctx, state
+        The search's context and state; ``state.match`` is the match of ``Q``.
+    Q : (B, B)
+        A full basis with λ < 1.
+
+    Returns
+    -------
+    torch.Tensor
+        (B, B) the best basis found (``Q`` itself when no trial raised λ).
     """
     assert state.match is not None
     cfg, B, tuning = ctx.cfg, ctx.B, ctx.tuning

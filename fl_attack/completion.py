@@ -115,8 +115,24 @@ def complete_missing(
     each cell of their sign arrangement fixes the zero rows of the missing column, whose kernel
     (when one exists) is the column. k = 1 is a single point, k = 2 a line (m + 1 cells), k = 3
     a plane (O(m²) cells, skipped when the m(m-1)/2 vertices exceed ``max_vertices``).
-    ``row_noise``: the least-squares kernels of a noisy update (:func:`pattern_kernels`);
-    ``deadline``: as in :func:`pattern_kernels` (the caller's budget).
+
+    Parameters
+    ----------
+    system
+        The layer's products (L, R, W, b, t = L⁺ g and the zero test).
+    found : (B, F)
+        The trusted columns.
+    max_vertices
+        Cap on the plane's vertices (k = 3).
+    row_noise : (B,), optional
+        ν / s under noise: least-squares kernels (``kernels.pattern_kernels``).
+    deadline
+        As in ``kernels.pattern_kernels`` (the caller's budget).
+
+    Returns
+    -------
+    torch.Tensor
+        (B, c) unit candidate columns (none when k is not 1-3).
     """
     L, zero_rtol = system.L, system.zero_rtol
     m, B = L.shape
@@ -168,20 +184,18 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
                            deadline: float | None = None,
                            prune_at: tuple[float, ...] = (2.0, 3.0, 5.0),
                            row_noise: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`pattern_kernels` of the nested row sets of :func:`slice_row_sets` (B, c).
+    """``kernels.pattern_kernels`` of the nested row sets of :func:`slice_row_sets` (B, c).
 
     Row set r of point p is ``idx[:lengths[r, p], p]``; sets with fewer than B - 1 rows are
     skipped and each rule's sets are deduplicated, as the mask form would. The float32 screen's
     Gram matrices are accumulated along the nesting: each rule adds only the rows beyond the
-    previous one, so a point's three sets cost its largest set once (at B = 150, m = 4000 the
-    separate Grams of the three rules were half of a slice-sampling call on 2 cores).
+    previous one, so a point's three sets cost its largest set once.
 
     A point is dropped as soon as a prefix of its rows is clearly full rank: adding rows only
     raises the smallest eigenvalue, so if the prefix's Gram passes the screen at the largest
     set's tolerance, none of the point's later sets can have a kernel the exact test keeps.
-    Besides at each rule this is checked after ``prune_at`` x B rows. (At B = 150, m = 4000
-    the largest sets have ~1500 rows but a quarter of the points are full rank by 160 rows
-    and half by ~400.) Past ``deadline`` no further chunk of points starts.
+    Besides at each rule this is checked after ``prune_at`` x B rows (many points are full rank
+    long before their largest set). Past ``deadline`` no further chunk of points starts.
     """
     m, B = L.shape
     n_rules, S = lengths.shape
@@ -278,20 +292,33 @@ def sample_missing(
     are rows where sample i is surely inactive: a subset of the zero rows of column i, so the
     kernel of L on such a row set is that column exactly once the set is large enough to
     exclude the samples whose patterns are like i's. Each point gives three row sets: its B
-    most negative rows, and the most negative ``fractions`` of its negative rows (a cluster of
-    13 similar samples missing at B = 100, m = 1000 shared 470-487 zero rows pairwise: the
-    B-row sets only gave their common faces; 70% of the negative rows gave all 13 columns).
+    most negative rows, and the most negative ``fractions`` of its negative rows (for a cluster
+    of similar samples the B-row sets only give their common faces; the larger sets exclude the
+    similar samples).
     Most other row sets have no kernel and are dropped; some vanish on a mixture of samples,
     which is why the caller polishes, filters and selects the candidates like any others.
     Points are drawn uniformly in balls of radii log-uniform in ``radius`` x the slice's
     distance to 0 (far points are as good as near ones: what matters is which sample
-    dominates, see the measurements in ``core.md``). Measured on real photo batches with true
-    columns dropped: (30, 200), 1024 points: 4/4, 7-8/8, 11-15/16, 16-17/24 in 0.1 s;
-    (100, 1000), 2048 points: 7/10, 18/30, 16/60 in 3-4 s (2 threads). The caller repeats it
-    as the found set grows. ``deadline``: as in :func:`pattern_kernels` (the caller's budget).
+    dominates). The caller repeats it as the found set grows. ``deadline``: as in
+    ``kernels.pattern_kernels`` (the caller's budget).
     At k = 1 the slice is a single point (the missing sample's W₀ pattern): its most negative
     rows are what a FedAvg sum keeps as zeros (``AttackConfig.update``), where the exact
     completion's full pattern has no kernel.
+
+    Parameters
+    ----------
+    system, found, row_noise, deadline
+        As for :func:`complete_missing`.
+    generator
+        Draws the points.
+    n_samples, radius, fractions
+        Points per call, their distance range (in units of the slice's distance to 0) and the
+        row rules (shares of each point's negative rows).
+
+    Returns
+    -------
+    torch.Tensor
+        (B, c) unit candidates, deduplicated.
     """
     L, zero_rtol = system.L, system.zero_rtol
     m, B = L.shape

@@ -32,8 +32,22 @@ def split_face(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparsest directions inside the face span(N) (N: (B, k) orthonormal).
 
-    Returns (Q (B, c) unit candidates, zero counts (c,)), keeping only directions with more zeros
-    than a generic vertex of the face (shared zeros + k - 1).
+    Parameters
+    ----------
+    L : (m, B)
+        The decomposition's left factor.
+    N : (B, k)
+        Orthonormal basis of the face.
+    zero_rtol, generator
+        The zero test; the random generator of the row samples.
+    max_samples, per_column
+        Caps on the (k-1)-row subsets drawn.
+
+    Returns
+    -------
+    (Q (B, c), zeros (c,))
+        Unit candidates and their zero counts, only directions with more zeros than a generic
+        vertex of the face (shared zeros + k - 1).
     """
     k = N.shape[1]
     A = L @ N  # (m, k)
@@ -96,8 +110,7 @@ def face_basis(
     An ℓ1 optimum inside a face of k samples is a vertex: besides the rows the samples share it
     vanishes on up to k-1 rows by cancellation, often as small as the shared ones. Each such
     row cuts the kernel by one dimension (leverage 1), leaving a subspace that contains none
-    of the samples (measured on a FedAvg update: a 6-sample face seen as 5-dimensional, no
-    column inside); shared rows are redundant (leverage < 1), so dropping the others restores
+    of the samples; shared rows are redundant (leverage < 1), so dropping the others restores
     the face.
     """
     V = (L @ q).abs()
@@ -118,9 +131,8 @@ def face_basis(
 
 CONDITIONAL_CHUNK = 2**25
 """Elements of one block of the zero-padded restricted problems (found columns x zero rows x B)
-in :func:`conditional_directions`. Under DP noise the first round's pool at B = 150, m = 4000
-held 2738 columns with up to 2412 zero rows: as one block that asked for 7.9 GB and, with its
-SVD, took the process past 24 GB (killed by the OOM killer)."""
+in :func:`conditional_directions`: a noisy update's pool can hold thousands of columns with
+thousands of zero rows, far more than memory as one block."""
 
 
 def conditional_directions(

@@ -29,8 +29,7 @@ def noise_scales(Q: torch.Tensor, row_noise: torch.Tensor) -> torch.Tensor:
 
     L is the orthonormal factor of a gradient carrying i.i.d. noise of std ν, whose j-th
     column is perturbed by about ν / s_j (s_j its singular value); ``row_noise`` is that
-    vector ν / s (B,). Measured at B = 150, m = 4000 under DP noise on the true columns' zero
-    rows: 0.94-1.02 x this prediction.
+    vector ν / s (B,).
     """
     return (Q * row_noise[:, None].to(Q)).norm(dim=0)
 
@@ -49,12 +48,9 @@ def noisy_sparsity(V: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ambiguous band up to :data:`CLEAR_SIGNAL_SD`.
 
     A true column under noise is bimodal: about half its entries at the noise level, the rest
-    far above (median 75 stds at B = 150, m = 4000, DP noise at f = 0.01). A zero count
-    relative to the column's largest entry ranked such columns below directions dominated by
-    the noisiest singular vectors (noise std 6x larger, one large entry, a continuum below
-    it): none of the 300 top-ranked of 8138 pool columns was a true one, and the selection
-    held 118 of the 133 true columns in the pool. Ranked by this score: 186 of the top 300,
-    and 132 of the 133 selected.
+    far above. A zero count relative to the column's largest entry ranks such columns below
+    directions dominated by the noisiest singular vectors (larger noise, one large entry, a
+    continuum below it); this score ranks the true columns first.
     """
     r = V.abs() / scale.clamp_min(torch.finfo(V.dtype).tiny)
     zero = r <= CLEAR_ZERO_SD

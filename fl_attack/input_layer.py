@@ -404,12 +404,10 @@ def side_score(
       *before* the layer: its outputs have no negative entry).
 
     Both are 1 for the true batch. Neither suffices alone: at deep layers the biases dominate
-    ``z``, so wrong inputs keep a high λ (measured: an output side with no sample right at
-    λ = 0.93-0.95 against an input side with 17/20 right at λ = 0.82), while a wrong row has
-    negative entries; on a first layer (signed inputs) the row test is 0 for both sides and λ
-    decides. The row test counts whole samples, not entries: a nearly-right mixture has only a
-    few slightly negative entries (89-91% of entries non-negative on those batches, which an
-    entry fraction ranks above the input side's 98%). Without ``W``, ``b`` only the row test.
+    ``z``, so wrong inputs keep a high λ, while a wrong row has negative entries; on a first
+    layer (signed inputs) the row test is 0 for both sides and λ decides. The row test counts
+    whole samples, not entries: a nearly-right mixture has only a few slightly negative
+    entries. Without ``W``, ``b`` only the row test.
     """
     X = X.to(G)
     xmax = X.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
@@ -441,7 +439,7 @@ def better_side(
     G : (m, n)
         The layer's weight gradient; ``W`` (m, n) and ``b`` (m,) its parameters, or None.
     zero_rtol, z_band
-        The tolerances of the layer's decomposition (``attack.tolerances``).
+        The tolerances of the layer's decomposition (``tolerances.tolerances``).
 
     Returns
     -------

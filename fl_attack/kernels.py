@@ -23,10 +23,8 @@ from fl_attack.clock import passed
 def default_chunk(device: torch.device) -> int:
     """Elements per chunk of the batched float64 work on ``device`` (Gram matrices, factors).
 
-    On a CPU a chunk should stay cache-sized: at B = 150-210, m = 4000 on 2 cores, polishing
-    400 directions took 4.5-7.1 s in chunks of 2^25 elements and 2.7-4.9 s in chunks of 2^22
-    (same kernels), IRLS 11 s against 8.5 s; the large batches were bound by copies. On CUDA
-    one large batch keeps the device busy.
+    On a CPU a chunk should stay cache-sized (large batches are bound by copies); on CUDA one
+    large batch keeps the device busy.
     """
     return 2**22 if device.type == "cpu" else 2**25
 
@@ -135,9 +133,8 @@ def masked_kernels(
     (:func:`masked_gram_eigh` + :func:`project_to_kernel`), but from a batched Cholesky factor
     instead: two steps of shift-and-invert subspace iteration on the block [q, ``block``-1 random
     vectors], then Rayleigh-Ritz in that block. Kernel dimensions above ``block`` are reported as
-    ``block``. Why: batched B x B eigen-solves for B > 32 are a sequential loop on CUDA (2.8 s
-    for 2000 matrices at B = 100 on an H100, against 1 ms for their Cholesky factors), and they
-    were most of the attack's time at large batches on a GPU.
+    ``block``. Why: batched B x B eigen-solves for B > 32 are a sequential loop on CUDA, three
+    orders of magnitude slower than their Cholesky factors.
     Returns (unit columns (B, K), kernel dimensions (K,)).
     """
     m, B = L.shape
@@ -166,8 +163,7 @@ def smallest_ritz_pairs(
     ``gram + 1e-12 max(diag)``, then Rayleigh-Ritz in the block: the kernel is amplified by
     1/shift² against the rest of the spectrum. Matrices without that factor get the r smallest
     pairs of a full ``eigh`` instead. Why not ``eigh`` for all: batched B x B eigen-solves for
-    B > 32 are a sequential loop on CUDA (2.8 s for 2000 matrices at B = 100 on an H100, against
-    1 ms for their Cholesky factors).
+    B > 32 are a sequential loop on CUDA.
     """
     B, r = gram.shape[-1], Y.shape[-1]
     shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
@@ -206,8 +202,7 @@ def project_to_kernel(
 
 
 # Batched B x B factorisations on the CPU are bound by memory traffic (copies, ``tril``) once a
-# batch outgrows the cache: at B = 150, 1500 float64 Gram matrices took 1.5 s in one call and
-# 0.5-0.6 s in blocks of 8-32 (one thread). On CUDA one call per batch is best.
+# batch outgrows the cache, so they run in blocks; on CUDA one call per batch is best.
 _CPU_BLOCK = 32
 
 
@@ -230,8 +225,8 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3,
     Most candidate row sets have no kernel; a Cholesky factor of the Gram matrix minus the
     tolerance exists exactly then, so those are dropped at once. The others get Ritz pairs
     from a small random block (:func:`smallest_ritz_pairs`), whose two
-    smallest values tell one- from higher-dimensional kernels. (Batched B x B ``eigh`` instead
-    took half of the time on a 2-core CPU at B = 100.)
+    smallest values tell one- from higher-dimensional kernels (batched B x B ``eigh`` is far
+    slower).
     """
     B = gram.shape[-1]
     gen = torch.Generator().manual_seed(0)
@@ -257,9 +252,8 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3,
 
 KERNEL_NOISE_SD = 2.0
 """Under noise a row set's kernel vector v may leave entries of L v up to this many noise stds
-(``filtering.noise_scales``) in root mean square. Measured on a (150, 4000) weight difference
-whose only noise is float32 rounding, true columns with their exact patterns: the smallest
-eigenvalue was 2.2-2.5 x the predicted n_rows x std² (1.5-1.6 stds), the next 10⁶ x above."""
+(``filtering.noise_scales``) in root mean square: true columns with their exact patterns stay
+well within it, the next eigenvalue is orders of magnitude above."""
 
 
 def _kernel_tols(n_rows: torch.Tensor, zero_rtol: float, m: int,
@@ -287,13 +281,12 @@ def pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
     the exact test's tolerance plus 1e-4 x its mean eigenvalue (a true kernel's eigenvalue stays
     within ~1e-6 of 0 in float32; the other patterns' smallest ones are ~1e-2), so no pattern
     the exact test would keep is dropped, also under noise where the tolerance is large. Only
-    the patterns that fail get their float64 Gram and the exact test. (At B = 210, m = 4000 the
-    float64 Grams of every row set of a slice-sampling call took 22 s of 31 s on 2 cores.)
+    the patterns that fail get their float64 Gram and the exact test.
     Past ``deadline`` (a ``time.perf_counter()`` value, checked between chunks of patterns)
     the patterns not yet screened are skipped. Under noise (``row_noise`` = ν / s, see
     ``filtering.noise_scales``) a kernel is least-squares: its vector v may leave entries of
-    L v of :data:`KERNEL_NOISE_SD` noise stds (the exact test's tolerance alone rejected the
-    true patterns of 64 of 150 samples of a float32 weight difference, each within 1.6 stds).
+    L v of :data:`KERNEL_NOISE_SD` noise stds (the exact test's tolerance alone rejects many
+    true patterns of a float32 weight difference).
     """
     out = [torch.empty(L.shape[1], 0, dtype=L.dtype, device=L.device)]
     for cols, gram in masked_grams(L.float(), mask):

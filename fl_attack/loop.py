@@ -35,6 +35,11 @@ def search(ctx: SearchContext, state: SearchState,
     SPEAR++ round 1 the neighbour search runs once. With a peeler the loop returns early when
     verified samples wait in ``state.peeled``.
 
+    Parameters
+    ----------
+    ctx, state, pool
+        The search's context (read only), its state and pool, which the steps grow.
+
     Returns
     -------
     (Q, count)
@@ -82,6 +87,8 @@ def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,
 
     Parameters
     ----------
+    ctx, state, pool
+        The search; completions add to the pool, peeling sets ``state.peeled``.
     now
         The assessment after the last search step.
 

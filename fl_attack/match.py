@@ -56,8 +56,8 @@ def chance_zero_allowance(n_band: int, band_ratio: float) -> int:
 
     An active unit's ∂L/∂Z is its ∂L/∂A, which can be arbitrarily small: the ReLU law allows
     it, and a float32 gradient cannot tell it from zero (true zeros scatter up to ~2e-6 of the
-    column's largest entry; such units were measured at 5e-8 to 1e-6, 1-3 per batch at
-    (150, 4000), on 13 of 20 true bases). ``n_band`` active entries were seen in the
+    column's largest entry, and real batches have such units). ``n_band`` active entries were
+    seen in the
     ambiguous band; a density flat near zero predicts about ``n_band · band_ratio`` below it
     (``n_band + 1``: the band count is itself a Poisson draw, and at small layers it is often
     0). The allowance is the (1 − CHANCE_TAIL) quantile of that Poisson count.
@@ -111,7 +111,7 @@ class Match:
 
 
 def sparsity_match(Q: torch.Tensor, system: LayerSystem) -> Match | None:
-    """λ = (λ₋ + λ₊)/(m B) for unscaled columns ``Q`` (SPEC §1); None without weight and bias.
+    """λ = (λ₋ + λ₊)/(m B) for unscaled columns ``Q`` (SPEAR §4.2); None without weight and bias.
 
     Chance zeros (an active unit whose ∂L/∂Z is indistinguishable from zero) count as
     matches when they are the only mismatches and no more than chance explains

@@ -1,11 +1,11 @@
-"""Step 2b (SPEC §4 "rounding"): snap approximate sparse directions to exact kernel directions.
+"""Step 2b (SPEAR++ §4.4, "rounding"): snap approximate sparse directions to exact kernels.
 
 An optimised q is close to a true column when the smallest entries of L q are its true zeros;
 the exact direction is then in the kernel of L restricted to those rows. Least squares over many
 rows (not just B-1) makes it stable, and a second pass over all predicted zeros reaches float
 precision. When several samples share those zeros the kernel has dimension k > 1: q is then
 projected onto it (keeping what the optimiser found) and the dimension is reported, so the
-caller can split that small subspace (see :mod:`fl_attack.refine`).
+caller can split that small subspace (see :mod:`fl_attack.faces`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ EIGH_UP_TO = 32
 """Polishing uses full eigen-decompositions up to this B and :func:`masked_kernels` above it.
 
 Batched B x B ``eigh`` is fast on CPUs and, for B <= 32, on CUDA (cuSOLVER batches it); above
-that CUDA loops over the matrices (2.8 s for 2000 at B = 100 on an H100), which made polishing
-most of the attack's time. The two give the same kernels up to rounding (unit-tested); the
-exact decomposition is kept where it costs nothing. (An earlier note here blamed the iterative
-method for one uncertified B = 16 update of the Flower demo; repeated runs showed that outcome
-follows the order in which the clients' replies arrive, with either method.)
+that CUDA loops over the matrices, which made polishing most of the attack's time. The two
+give the same kernels up to rounding (unit-tested); the exact decomposition is kept where it
+costs nothing.
 """
 
 
@@ -66,13 +64,28 @@ def polish(
     n_rows: int,
     zero_rtol: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round directions ``Q`` (B, K) to exact kernel directions.
+    """Round directions ``Q`` (B, K) to exact kernel directions (SPEAR++ §4.4).
 
-    Returns (Q_polished (B, K), zero counts (K,), face dimensions (K,), max leverages (K,), see
-    :func:`max_leverage`; 1 where the final zero set still has a kernel of dimension > 1).
-    The face dimension is the dimension of the
-    kernel on the rows where the optimised q was smallest. Above 1, those rows are shared by
-    several samples and q sits in their face (a mixture unless it is split, see ``refine``).
+    The face dimension is the dimension of the kernel on the rows where the optimised q was
+    smallest. Above 1, those rows are shared by several samples and q sits in their face (a
+    mixture unless it is split, see :mod:`fl_attack.faces`).
+
+    Parameters
+    ----------
+    L : (m, B)
+        The decomposition's left factor.
+    Q : (B, K)
+        Approximate sparse directions.
+    n_rows
+        Rows of the first pass (the smallest entries of L q).
+    zero_rtol
+        The zero test of the second pass (all predicted zeros).
+
+    Returns
+    -------
+    (Q_polished (B, K), zero counts (K,), face dimensions (K,), max leverages (K,))
+        Unit kernel directions in float64; leverages as in :func:`max_leverage`, 1 where the
+        final zero set still has a kernel of dimension > 1.
     """
     L = L.double()
     Q = Q.to(L.dtype)
@@ -116,13 +129,12 @@ def irls_round(
     0.97-0.997) and its smallest entries include rows that are not zeros, which defeats the
     rounding by kernels. Iteratively reweighted least squares for ℓ0 (weights 1/(v² + ε²) with
     ε shrinking from ``eps0`` x the column's median |entry|) drives each direction to the nearby
-    direction with the most exact zeros instead. Measured on real photo batches at B = 65,
-    m = 1000: 15 of 17 columns missed by ℓ1 + rounding recovered exactly.
+    direction with the most exact zeros instead.
     Each iteration is one inverse-iteration step per direction, q ← (Lᵀ W L)⁻¹ q (a batched
     Cholesky solve, O(K m B²)), warm-started from the previous q. Past ``deadline`` (a
     ``time.perf_counter()`` value, checked between chunks of directions) only the first K' ≤ K
-    directions, those done, are returned: at B = 210, m = 4000 on 2 cores a chunk (4 directions,
-    :func:`default_chunk`) takes ~0.3 s, all of them minutes.
+    directions, those done, are returned (a chunk is a fraction of a second, all of them can
+    be minutes on a large layer).
     """
     L = L.double()
     Q = Q.to(L.dtype)
@@ -170,9 +182,7 @@ def noisy_refit(L: torch.Tensor, Q: torch.Tensor, row_noise: torch.Tensor, *,
     rows are the entries within :data:`REFIT_ZERO_SD` noise stds (``filtering.noise_scales``)
     and the column becomes their least-squares kernel in the metric of the noise on q
     (``row_noise`` = ν / s: the generalised eigenvector of (L_zᵀ L_z, diag(row_noise²))), then
-    again from its new zero rows. Measured at B = 150, m = 4000, DP noise at f = 0.01: the
-    found columns' median 1 - cos to the truth went from 1.9e-5 to 4.8e-6 and the batch from
-    51.0 to 54.9 dB, against 55.5 dB for the same kernels on the true zero rows.
+    again from its new zero rows.
     """
     L = L.double()
     Q = Q.to(L.dtype)

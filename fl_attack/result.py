@@ -28,11 +28,10 @@ class Reconstruction:
     """True when λ = 1 with all B directions found and no noise detected: the reconstruction
     is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
     within a noise tolerance, and with ``update="fedavg"`` (which checks only that zero rows
-    are inactive units) a noisy update reached λ = 1 at 35 dB; report PSNR there."""
+    are inactive units) a noisy update can reach λ = 1 without being exact; report PSNR."""
     n_directions: int
     """Directions found by the search; < B means a partial reconstruction, in which *no* sample
-    is guaranteed: every row of Q⁻¹ depends on all B columns (measured on a real batch, true
-    columns with one missing and the rest completed: found samples off by 12% median)."""
+    is guaranteed: every row of Q⁻¹ depends on all B columns."""
     method: str
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)

@@ -26,6 +26,11 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     (``cfg.deflate``), where the missing columns' basins are. On wide layers every second
     round uses the other optimiser, and later rounds add IRLS rounding
     (``AttackConfig.wide_layer_search``).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the round's candidates go to the pool, faces seen to the state.
     """
     cfg, B, clock = ctx.cfg, ctx.B, ctx.clock
     dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
@@ -106,7 +111,13 @@ def polish_within_budget(ctx: SearchContext, Q: torch.Tensor, n_rows: int
 
 def spear_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
     """One SPEAR sampling step (SPEAR §3.3, §5.1): kernels of ``cfg.samples_per_step`` random
-    (B-1)-row submatrices of L, batched; the sparse ones are polished and pooled."""
+    (B-1)-row submatrices of L, batched; the sparse ones are polished and pooled.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; ``state.samples`` counts the submatrices drawn.
+    """
     cfg, B, L, clock = ctx.cfg, ctx.B, ctx.L, ctx.clock
     t0 = time.perf_counter()
     S = min(cfg.samples_per_step, cfg.max_samples - state.samples)
@@ -133,6 +144,19 @@ def split_faces(ctx: SearchContext, state: SearchState, pool: CandidatePool, Q: 
     ``cfg.max_faces`` new faces (by default ``Tuning.faces_small`` for B ≤
     ``Tuning.small_batch``, else ``Tuning.faces_large``), until ``deadline`` (by default the
     search's).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the faces seen are remembered in ``state.faces_seen``.
+    Q : (B, k)
+        Directions in faces or, with ``vertex``, vertices of faces.
+    n_rows
+        Rows of the first polishing pass (``SearchContext.n_rows``).
+    vertex
+        Whether ``Q`` are vertices.
+    deadline
+        A ``time.perf_counter()`` value, or None for the search's deadline.
     """
     cfg, L, rtol, tuning = ctx.cfg, ctx.L, ctx.zero_rtol, ctx.tuning
     found = []
@@ -165,7 +189,13 @@ def split_faces(ctx: SearchContext, state: SearchState, pool: CandidatePool, Q: 
 def neighbour_search(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
     """After round 1: seeds for columns hidden next to the pool's (their zero rows restricted
     search, ``faces.conditional_directions``), split as faces; within
-    ``Tuning.neighbour_share`` of the budget (half of it for the seeds)."""
+    ``Tuning.neighbour_share`` of the budget (half of it for the seeds).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the seeds come from the pool's columns.
+    """
     clock, share = ctx.clock, ctx.tuning.neighbour_share
     t0 = time.perf_counter()
     limit = clock.from_now(share)
@@ -187,6 +217,18 @@ def complete(ctx: SearchContext, state: SearchState, pool: CandidatePool,
     apply (a sum keeps only part of a sample's W₀ pattern as zeros), the sampled one also runs
     once for a single missing column; under noise both run once for 1-3 missing columns (a
     pre-activation near 0 may take the wrong sign, the most negative rows avoid those).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; ``state.completed`` counts the calls per found set.
+    found : (B, F)
+        The trusted columns.
+
+    Returns
+    -------
+    bool
+        Whether a completion ran (False: nothing left to try for this found set).
     """
     count = found.shape[1]
     missing = ctx.B - count

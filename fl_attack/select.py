@@ -1,4 +1,4 @@
-"""Step 4 (SPEC §5): pick B directions among the candidates.
+"""Step 4 (SPEAR §4.2): pick B directions among the candidates.
 
 Stage 1 takes the sparsest candidates that increase the rank (completing with an orthonormal
 basis of the complement when too few exist: a partial reconstruction). Stage 2 greedily swaps a
@@ -25,9 +25,21 @@ Trial = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
 
 def stage1(candidates: torch.Tensor, B: int, tol: float = 1e-8) -> tuple[torch.Tensor, int]:
-    """Indices of the first columns (in given order) that increase the rank, at most B.
+    """Stage 1 (SPEAR §4.2): the first columns (in given order) that increase the rank.
 
-    Returns (indices, count). ``candidates`` (B, K) is expected sorted by decreasing sparsity.
+    Parameters
+    ----------
+    candidates : (B, K)
+        Candidate directions, sorted by decreasing sparsity.
+    B
+        At most this many are chosen.
+    tol
+        A direction closer than this to the span of those chosen adds no rank.
+
+    Returns
+    -------
+    (indices (count,), count)
+        The chosen columns; count < B when too few are independent.
     """
     basis = torch.empty(B, 0, dtype=candidates.dtype, device=candidates.device)
     chosen: list[int] = []
