@@ -23,7 +23,7 @@ import torch
 import fl_attack
 from fl_attack import data, metrics, models
 
-PAPER = {  # SPEC §9: SPEAR++ (ℓ1, RAdam) PSNR / accuracy %
+PAPER = {  # SPEAR++ §5.1 (ℓ1, RAdam): PSNR / accuracy %
     (20, 200): (121.0, 95), (25, 200): (96.0, 77), (30, 200): (41.7, 25),
     (65, 1000): (125.2, 100), (100, 1000): (69.3, 41), (150, 1000): (10.4, 0),
     (100, 4000): (124.2, 100), (150, 4000): (120.9, 100), (210, 4000): (45.3, 7),

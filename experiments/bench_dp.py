@@ -1,9 +1,9 @@
-"""Benchmark of the attack on DP-SGD updates (issue #3, SPEC §6): PSNR, detected B, (ε, δ).
+"""Benchmark of the attack on DP-SGD updates (SPEAR App. E.6, SPEAR++ §5.2): PSNR, B, (ε, δ).
 
 Each client update is one Opacus DP-SGD step on the whole batch (``fl_attack.simulate.local_update``
 with ``protocol="dpsgd"``): per-sample clipping at ``C`` and Gaussian noise whose std on the
 *averaged* gradient is a fraction ``f`` of the median |entry| of that batch's clipped mean
-first-layer gradient. That is how the papers chose σ ("≈ the median |gradient entry|", SPEC §6),
+first-layer gradient. That is how the papers chose σ ("≈ the median |gradient entry|", SPEAR App. E.6),
 so ``f = 1`` is the papers' setting and the issue's target (B = 20, m = 200: ≥ 90% of batches
 above 25 dB). The server attacks the first layer of ``relu_mlp(3072, m, 3)`` from the weights the
 client sends back: ``(W0 − W1, b0 − b1)`` with ``weight=W0, bias=b0`` (the learning rate cancels).
@@ -47,7 +47,7 @@ from fl_attack import data, metrics, models, simulate, updates
 
 DATASET = "photos32"
 RESULTS = Path(__file__).parent / "results" / "dp.md"
-PSNR_OK = 25.0  # SPEC §9: accuracy under DP / FedAvg = % of batches with mean PSNR > 25 dB
+PSNR_OK = 25.0  # the papers: accuracy under DP / FedAvg = % of batches with mean PSNR > 25 dB
 TARGET_PCT = 90.0  # issue #3: ≥ 90% of batches above 25 dB at (B, m) = (20, 200)
 TARGET = (20, 200, 1.0)  # (B, m, f) the issue's DP target is stated for
 
@@ -429,7 +429,7 @@ def oracle_psnr(u: DpUpdate, xn: torch.Tensor, x: torch.Tensor, dataset: str = D
 
 
 def paper_dp(B: int, m: int, f: float) -> str:
-    """The papers' reference numbers for a row (SPEC §6), or — where they quote none."""
+    """The papers' reference numbers for a row (SPEAR App. E.6, SPEAR++ §5.2), or —."""
     if f == 0:
         return PAPER_SPEAR_CLIP
     if f == 1:
@@ -444,7 +444,7 @@ DP_HEADER = ("| B | m | C | f = σ / median | batches | mean PSNR | % > 25 dB | 
              "detected B | clipped samples % | median \\|grad\\| | σ on mean grad (median) | "
              "noise multiplier (median) | ε (median, δ) | s_B / noise edge (median) | "
              "oracle PSNR (true ∂L/∂Z) | % oracle > 25 dB | DP engine | median s | max s | setting wall s | "
-             "papers (SPEC §6) |")
+             "papers (SPEAR App. E.6, SPEAR++ §5.2) |")
 
 
 DP_RULE = table_rule(DP_HEADER)
@@ -602,13 +602,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         DP_RULE,
     ]
     intro = (
-        "Attack on DP-SGD client updates (SPEC §6). Real CIFAR-shaped photo crops (`photos32`), "
+        "Attack on DP-SGD client updates (SPEAR App. E.6, SPEAR++ §5.2). Real CIFAR-shaped photo crops (`photos32`), "
         "first layer of `relu_mlp(3072, m, 3)`, one Opacus DP-SGD step on the whole batch with "
         "per-sample clipping C and Gaussian noise of std σ = f · (median |entry| of the clipped "
         "mean first-layer gradient) on the averaged gradient — the papers chose σ around that "
         "median. The server attacks (W0 − W1, b0 − b1) with weight = W0, bias = b0. Columns: "
         "mean matched PSNR (dB) of the denormalised images; % of batches with mean PSNR > 25 dB "
-        "(SPEC §9); % certified exact (λ = 1); detected B (range, and how many batches gave the "
+        "(the papers' accuracy); % certified exact (λ = 1); detected B (range, and how many batches gave the "
         "true B); % of samples whose per-sample gradient norm exceeds C; median |clipped mean "
         "gradient entry|; σ; Opacus noise multiplier σ·B/C; ε the Opacus RDP accountant reports "
         "for the step at δ; s_B / noise edge: the B-th singular value of the clean clipped mean "
@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "gradients in memory, used where those would exceed 2 GiB); seconds of `invert` per "
         "batch; the setting's wall time (updates + attacks). Produced by "
         "`python -m experiments.bench_dp`.\n\n"
-        "Papers (SPEC §6): SPEAR (TinyImageNet, B = 20): clipping alone → 118 dB (exact); "
+        "Papers (SPEAR App. E.6, SPEAR++ §5.2): SPEAR (TinyImageNet, B = 20): clipping alone → 118 dB (exact); "
         "σ = 1e-4 ≈ median |gradient entry| → ≈ 29 dB, 95–99% above 25 dB. SPEAR++ (CIFAR-10): "
         "B = 20, m = 200 → 31.9 dB, 75%; B = 150, m = 4000 → 55.5 dB, 88% (noise level lost; "
         "chosen around the median, shown here next to f = 1).")

@@ -1,4 +1,4 @@
-"""Benchmark of the attack on FedAvg weight updates (issue #3, SPEC §7): PSNR, % exact, seconds.
+"""Benchmark of the attack on FedAvg weight updates (SPEAR App. F, SPEAR++ §5.3): PSNR, % exact, s.
 
 Each client runs ``E`` local epochs of plain SGD (mini-batches of ``b_mini``, learning rate η) from
 the global ``relu_mlp(3072, m, 3)`` on one real batch of B photo crops
@@ -54,7 +54,7 @@ PAPER_LR = 0.01  # SPEAR's FedAvg experiments use η = 0.01
 
 FEDAVG_HEADER = ("| B | m | E | b_mini | η | local steps | batches | mean PSNR | % > 25 dB | "
                  "% exact (λ=1) | detected B | median s | max s | setting wall s | "
-                 "papers (SPEC §7) |")
+                 "papers (SPEAR App. F, SPEAR++ §5.3) |")
 FEDAVG_RULE = table_rule(FEDAVG_HEADER)
 
 
@@ -77,7 +77,7 @@ def parse_minibatch(text: str) -> list[int | None]:
 
 
 def paper_fedavg(B: int, epochs: int, b_mini: int | None, lr: float) -> str:
-    """SPEAR's reference numbers for a row (SPEC §7: TinyImageNet, B = 20, η = 0.01), else —."""
+    """SPEAR's reference numbers for a row (App. F: TinyImageNet, B = 20, η = 0.01), else —."""
     if B != 20 or not math.isclose(lr, PAPER_LR):
         return "—"
     if b_mini is None or b_mini >= B:
@@ -214,16 +214,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         FEDAVG_RULE,
     ]
     intro = (
-        "Attack on FedAvg client updates (SPEC §7). Real CIFAR-shaped photo crops (`photos32`), "
+        "Attack on FedAvg client updates (SPEAR App. F, SPEAR++ §5.3). Real CIFAR-shaped photo crops (`photos32`), "
         "first layer of `relu_mlp(3072, m, 3)`; the client runs E local epochs of SGD "
         "(mini-batches of b_mini from a seeded shuffle, learning rate η; `local steps` = E · "
         "⌈B / b_mini⌉) and sends back float32 weights; the server inverts (W0 − W_E, b0 − b_E) "
         "with weight = W0, bias = b0. Columns: mean matched PSNR (dB) of the denormalised "
-        "images; % of batches with mean PSNR > 25 dB (SPEC §9); % certified exact (λ = 1); "
+        "images; % of batches with mean PSNR > 25 dB (the papers' accuracy); % certified exact (λ = 1); "
         "detected B (range, and how many batches gave the true B); seconds of `invert` per "
         "batch; the setting's wall time (local training + attacks). Produced by "
         "`python -m experiments.bench_fedavg`.\n\n"
-        "Papers (SPEC §7): SPEAR (TinyImageNet, B = 20, η = 0.01): E = 1…20 → ≈ 98–109 dB, "
+        "Papers (SPEAR App. F, SPEAR++ §5.3): SPEAR (TinyImageNet, B = 20, η = 0.01): E = 1…20 → ≈ 98–109 dB, "
         "97–100% of batches above 25 dB; E = 50 → 90%; b_mini = 5, E = 20 → 97%. SPEAR++ "
         "(CIFAR-10): B = 20, m = 200 → 67.8 dB, 75% (E, b_mini, η lost).")
     open_results(args.out, "FedAvg benchmark (issue #3)", intro, section)

@@ -1,4 +1,4 @@
-"""Benchmark: inverting deeper layers (SPEC §8, issue #3 item 4) through either sparse factor.
+"""Benchmark: inverting deeper layers (SPEAR §3.2, §6.2) through either sparse factor.
 
 A hidden layer of a ReLU MLP sits between two ReLUs, so both factors of its weight gradient
 ``G = Σ_i g_i x_iᵀ`` are sparse: the output gradients g_i = ∂L/∂z_i (``sparse="output"``, the
@@ -46,11 +46,11 @@ SIDES = ("output", "input", "auto")
 #: A recovered input counts as right below this relative error ‖x̂ − x‖/‖x‖ (float32 gradients
 #: give ~1e-7..1e-5 on exact recoveries; a wrong or mixed row is off by 0.1 and more).
 REL_TOL = 1e-3
-PAPER = ("SPEAR (paper, SPEC §8-9): attacks layers 1-5 of a 6-layer ReLU MLP of width 400 "
+PAPER = ("SPEAR (paper, §6.2, Table 4): attacks layers 1-5 of a 6-layer ReLU MLP of width 400 "
          "(output side, i.e. sparse ∂L/∂Z), noting that deeper layers are slower at "
          "initialisation because the biases dominate; its headline CIFAR-10 number, on the first "
          "layer of a 6-layer width-200 MLP at B = 20, is 99% of batches exact (PSNR 106.6), "
-         "1.7 min per batch on a GPU. SPEC §8 gives no per-layer numbers to compare with.")
+         "1.7 min per batch on a GPU; no per-layer numbers at this width to compare with.")
 
 
 def code_version() -> str:
@@ -110,7 +110,7 @@ def shared_zero_fraction(mask: torch.Tensor) -> float:
 
     ``mask`` (B, k) marks zero entries. Near 1, the samples' ReLU patterns nearly coincide: a
     difference of two samples is then almost as sparse as a sample, which is what makes deep
-    layers at initialisation hard for a sparsity search (SPEC §8: "biases dominate").
+    layers at initialisation hard for a sparsity search (SPEAR §6.2: outputs of later layers are "dominated by their bias terms").
     """
     Z = mask.double()
     shared = Z @ Z.T

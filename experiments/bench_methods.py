@@ -6,7 +6,7 @@ layer of ``relu_mlp(3072, m, 3, seed=seed)`` (SPEAR++ protocol, as ``bench_core`
 same machine, interleaved per batch (same gradient, back to back, the order alternating from batch
 to batch), so that a shared, fluctuating machine slows both alike and their ratio stays fair.
 
-SPEAR's expected number of samples grows like ``B 2^(B-1)`` (SPEC §3), so it gets a per-batch
+SPEAR's expected number of samples grows like ``B 2^(B-1)`` (SPEAR §5.2), so it gets a per-batch
 wall-clock budget (``--max-seconds``, also given to SPEAR++) and a sampling cap high enough
 (2·10⁹, the paper's) that the budget is what stops it. A batch that runs out of budget is
 reported as such: its time is a lower bound, and so is any speed ratio that involves it.

@@ -28,7 +28,7 @@ import fl_attack
 from experiments.common import cpu_name
 from fl_attack import models, tabular
 
-PAPER = {"discrete_acc": 100.0, "mae": 20.4, "minutes": 0.4}  # SPEAR, Adult B = 16 (SPEC §9)
+PAPER = {"discrete_acc": 100.0, "mae": 20.4, "minutes": 0.4}  # SPEAR §6.1, Adult B = 16
 RESULTS = Path(__file__).parent / "results" / "tabular.md"
 
 

@@ -1,8 +1,10 @@
 """fl_attack: exact gradient inversion of ReLU layers (SPEAR, SPEAR++), torch + numpy only.
 
 The one-call entry point is :func:`invert`; each step of the attack lives in its own module
-(``decompose`` -> ``search`` / ``sampling`` -> ``polish`` / ``refine`` -> ``filtering``
--> ``select`` -> ``scale``).
+(``decompose`` -> ``rounds`` (``search``, ``sampling``, ``polish``, ``faces``) -> ``pool`` ->
+``certify`` (``match``, ``feasibility``) -> ``rounds.complete`` (``completion``) -> ``select``
+-> ``scale``), driven by ``loop``; ``docs/algorithm.md`` walks through the pipeline with the
+papers' section numbers.
 """
 
 from fl_attack.attack import Reconstruction, invert

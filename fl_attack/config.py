@@ -24,7 +24,8 @@ WIDE_LAYER = 500
 class AttackConfig:
     """Options of :func:`fl_attack.invert`. Defaults work without tuning on FedSGD gradients.
 
-    Attributes are grouped by the step of the attack they control (SPEC §2-§6).
+    Attributes are grouped by the step of the attack they control (``docs/algorithm.md``
+    describes the steps; the search's internal constants are in :mod:`fl_attack.tuning`).
     """
 
     # --- which attack ---------------------------------------------------------------------------
@@ -37,28 +38,26 @@ class AttackConfig:
     over the steps, so its zero rows are the units inactive at *every* step, a subset of those
     inactive at W₀. λ then counts a zero row as matching when the reconstruction is inactive
     there at W₀ (and every non-zero row), so λ = 1 certifies "every zero is explained by W₀";
-    the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts:
-    E = 50 left 58-83 of 200 where τ from the binomial tail asks for 70); the completions use
-    only the most negative rows of a missing sample's W₀ pattern. With mini-batches the
-    inclusion holds only approximately (a sample's first step is not at W₀), still better than
-    ``"gradient"`` (measured in ``experiments/results/fedavg.md``). Not for noisy sums: with
-    DP-SGD noise every zero within the noise tolerance passes the inclusion test, λ stops
-    choosing between candidates, and ``"gradient"`` did better on 5 noisy DP-SGD steps
-    (σ = 0.1 x the median entry: 40.2 against 28.8 dB mean, 5/5 against 3/5 batches > 25 dB,
-    ``dp.md``); clipping alone works with both."""
+    the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts);
+    the completions use only the most negative rows of a missing sample's W₀ pattern. With
+    mini-batches the inclusion holds only approximately (a sample's first step is not at W₀),
+    still better than ``"gradient"`` (``experiments/results/fedavg.md``). Not for noisy sums:
+    with DP-SGD noise every zero within the noise tolerance passes the inclusion test and λ
+    stops choosing between candidates (``experiments/results/dp.md``); clipping alone works
+    with both."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
     better, see :mod:`fl_attack.input_layer`)."""
 
-    # --- decomposition (SPEC §2) ----------------------------------------------------------------
+    # --- decomposition (SPEAR §3.1, SPEAR++ §4.1) -----------------------------------------------
     batch_size: int | None = None
     """Override the batch size B read off the gradient's numerical rank."""
     rank_margin: float = 2.0
     """A singular value counts as signal when above ``rank_margin`` x the estimated noise edge
     ν(√m+√n) (Marchenko-Pastur). Also guards against float rounding in clean gradients."""
 
-    # --- SPEAR++ search (SPEC §4) ---------------------------------------------------------------
+    # --- SPEAR++ search (SPEAR++ §4.2) ------------------------------------------------------------
     loss: str = "l1"
     """Sparsity surrogate: ``"l1"`` (best), ``"logcosh"`` (smooth) or ``"l4"`` (−ℓ4, weakest)."""
     optimizer: str = "radam"
@@ -66,7 +65,8 @@ class AttackConfig:
     n_init: int | None = None
     """Random initialisations per round, optimised as one B x K batch. None: ``max(256, 20 B)``,
     and ``max(256, 20 k)`` in rounds that start in the complement of the F found columns
-    (k = B - F missing; polishing and IRLS cost grows with K, ~O(K m B²))."""
+    (k = B - F missing; polishing and IRLS cost grows with K, ~O(K m B²); the two numbers are
+    ``Tuning.starts_floor`` and ``Tuning.starts_per_column``)."""
     steps: int = 300
     """Optimisation steps per round (the paper used 500; polishing makes fewer enough)."""
     lr: float | None = None
@@ -76,9 +76,8 @@ class AttackConfig:
     lr_gamma: float = 0.1
     alternate: bool | None = None
     """Use the other optimiser every second round (RAdam and PGD stall at different minima).
-    None: on for layers with m < 500 outputs. At m = 1000 the PGD rounds found almost nothing
-    (B = 100 photo batch on a GPU: +1 to +3 columns per PGD round against +15 per RAdam round;
-    RAdam only reached all 100 in 8 rounds, 84 s, alternating in 10 rounds, 152 s)."""
+    None: on for layers with m < :data:`WIDE_LAYER` outputs (on wide layers the PGD rounds
+    found few columns)."""
     logcosh_alpha: float = 20.0
     """Sharpness α of LogCosh, applied to entries scaled to unit RMS (lost in the paper; tuned)."""
     deflate: bool = True
@@ -87,35 +86,33 @@ class AttackConfig:
     max_rounds: int | None = None
     """Rounds of fresh initialisations before giving up on missing directions. None:
     ``max(12, B // 4)``. Rounds after the first are cheap (restarts in the complement of what is
-    found); at B = 30, m = 200, 12 rounds certified 3 of 5 photo batches that 4 rounds left at
-    24-26 of 30 columns; at B = 100, m = 1000 one photo batch needed 13 rounds for λ = 1."""
+    found), and hard batches need many of them."""
     max_seconds: float | None = DEFAULT_MAX_SECONDS
     """Wall-clock budget of one call in seconds (default :data:`DEFAULT_MAX_SECONDS`); ``None``
     means no limit. When it runs out the best selection so far is returned and
     ``Reconstruction.budget_exhausted`` is True. Checked between steps and inside the long ones
     (every 10 optimiser steps, between chunks of IRLS, polishing, kernel screening, LPs and
-    peeled columns), so the search ends within about one chunk of it (seconds at B = 210,
-    m = 4000 on 2 cores). The final selection (greedy swaps, repair, noisy refit) may then take
-    up to a quarter of the budget more (``attack.FINISH_SHARE``), so a call returns within about
-    1.25 x ``max_seconds`` plus one chunk. Without a limit a noisy update can keep the search
-    busy for many minutes (all rounds, swaps and repairs run to their caps)."""
+    peeled columns), so the search ends within about one chunk of it. The final selection
+    (greedy swaps, repair, noisy refit) may then take up to a quarter of the budget more
+    (``Tuning.finish_share``), so a call returns within about 1.25 x ``max_seconds`` plus one
+    chunk. Without a limit a noisy update can keep the search busy for many minutes (all
+    rounds, swaps and repairs run to their caps)."""
 
-    # --- SPEAR sampling (SPEC §3) ---------------------------------------------------------------
+    # --- SPEAR sampling (SPEAR §3.3, §5.1) --------------------------------------------------------
     samples_per_step: int = 4096
     """(B-1) x B submatrices drawn and solved at once per sampling step."""
     max_samples: int = 2_000_000
     """Sampling budget of SPEAR (the paper allows up to 2e9 on a GPU)."""
 
-    # --- polishing / rounding and filtering (SPEC §4, §3.2) -------------------------------------
+    # --- polishing / rounding and filtering (SPEAR++ §4.3-§4.4, SPEAR §4.1) ---------------------
     polish: bool = True
     """Round every optimised direction to the exact kernel of its predicted zero rows."""
     irls: bool | None = None
     """After the first round, also round every optimised direction by reweighted least squares
     towards the sparsest direction nearby (``polish.irls_round``): recovers columns that are
     not ℓ1 minima (on real data a similar sample often pulls the minimum a few degrees off).
-    None: on for layers with m ≥ 500 outputs. Measured on photo batches: at m = 1000 it turned
-    15 of 17 near misses into exact columns; at m = 200 its extra sparse candidates crowded
-    the selection (one batch of ten lost its certificate), so it is off there by default."""
+    None: on for layers with m ≥ :data:`WIDE_LAYER` outputs; on narrow layers its extra sparse
+    candidates crowd the selection."""
     zero_rtol: float | None = None
     """An entry of L q counts as zero below ``zero_rtol`` x the column's max. None: from the
     precision of the gradient (1e-7 float64, 1e-4 float32) or from the estimated noise."""
@@ -128,8 +125,8 @@ class AttackConfig:
     """Reject candidates with a zero row of leverage above this (coincidental zeros)."""
     max_faces: int | None = None
     """New faces split per search round (each costs one small batched sampling, O(B³) and up).
-    None: 128 for B ≤ 32, else 16 — at B = 150 on a GPU 128 faces took 50 s a round, while
-    restarts orthogonal to the found columns (``deflate``) recover far more columns there."""
+    None: 128 for B ≤ 32, else 16 (``Tuning.faces_small``, ``Tuning.faces_large``): at large B
+    restarts orthogonal to the found columns (``deflate``) recover more columns per second."""
     max_face_dim: int = 8
     """Largest face (group of samples sharing their zero rows) split by sampling."""
     dedupe_tol: float = 1e-6
@@ -137,25 +134,20 @@ class AttackConfig:
     slice_first: bool = False
     """Before the first search round, sample the slice of all B samples (found set empty) and
     complete from there; the search then starts in the complement of what that found. Needs
-    ``weight`` and ``bias``. Measured on the 2-core CPU, photo batches 0-19, same batches with
-    and without: median 0.60 → 0.17 s at (20, 200), 0.61 → 0.37 s at (25, 200), 0.98 → 0.51 s
-    at (30, 200) — same accuracy but for one (30, 200) batch that fell below 90 dB; batches 0-4
-    at (100, 1000): 375 → 329 s in all, all > 90 dB; (210, 4000) seed 0: 97/210 at 300 s
-    against 110 at 535 s. Off by default because of that one lost batch."""
+    ``weight`` and ``bias``. Faster on photo batches, but off by default: it lost the
+    certificate of one (30, 200) batch (``experiments/results/tuning.md``)."""
     slice_samples: int = 2048
     """Points drawn on the slice of the missing samples, each round, when 2 or more columns are
-    missing (``refine.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the exact
-    completion); 0 turns it off. Each point gives up to three row sets (its B most negative
-    rows, 60% and 75% of its negative rows). At (150, 4000) the larger two cost ~45% of a call
-    and add columns mostly on the first call; using them only there and on retries was tried
-    (session 11, ``core.md``) and gave no measurable end-to-end gain."""
+    missing (``completion.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the
+    exact completion); 0 turns it off. Each point gives up to three row sets (its B most
+    negative rows, 60% and 75% of its negative rows)."""
 
-    # --- selection (SPEC §5) --------------------------------------------------------------------
+    # --- selection (SPEAR §4.2) -------------------------------------------------------------------
     verify_dim: int = 64
     """While fewer than B columns are found, trust (build the next rounds and the completion on)
     only columns whose ReLU pattern is feasible given the others (``feasibility``, one LP per
     column), once at most ``verify_dim`` columns are missing; 0 turns it off. Skipped on noisy
-    updates. At B = 100, m = 1000 a photo batch stalled at 93/100 with 4 mixtures trusted."""
+    updates. Without it a mixture of two similar samples can be trusted and stall the search."""
     greedy: bool = True
     """Stage 2: swap columns for spare candidates while the sparsity-matching λ increases."""
     max_swaps: int = 200
@@ -164,7 +156,7 @@ class AttackConfig:
     lambda_stop: float | None = None
     """Stop searching once λ reaches this value. None: 1.0 (clean) or chosen from the noise."""
 
-    # --- noise (DP-SGD, SPEC §6) ----------------------------------------------------------------
+    # --- noise (DP-SGD: SPEAR App. E.6, SPEAR++ §5.2) ---------------------------------------------
     noise: str | float = "auto"
     """``"auto"``: estimate the noise from the spectrum; ``0``: treat as clean; a float: the
     known std of the noise on each gradient entry."""
@@ -173,7 +165,8 @@ class AttackConfig:
     search_dtype: str = "float32"
     """Precision of the optimisation (final solves are always float64)."""
     progress: bool = False
-    """Print progress of the rounds (for long attacks)."""
+    """Log the progress of the rounds at INFO on ``logging.getLogger("fl_attack")`` (else at
+    DEBUG); configure logging to see it, e.g. ``logging.basicConfig(level=logging.INFO)``."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Step 1 (SPEC §2): low-rank factorisation G = L R and batch-size detection.
+"""Step 1 (SPEAR §3.1, SPEAR++ §4.1): low-rank factorisation G = L R and batch-size detection.
 
 The batch size is the numerical rank of G. Clean float32 gradients carry rounding noise and DP-SGD
 gradients carry Gaussian noise; both are full-rank "bulks" whose edge is estimated from the tail
@@ -44,8 +44,8 @@ def estimate_rank(
     noise is estimated by iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
     A spectrum with ``max_rank`` (the live rows/columns: full rank) or more values above the
     floor and no drop always takes the noise route: a noise bulk of a near-square matrix is not
-    flat (its values span ν(√m ± √n)), so the flatness test alone called the float32 rounding
-    of a FedAvg/DP-SGD weight difference at m = 4000, n = 3072 clean and full rank. Returns
+    flat (its values span ν(√m ± √n)), so the flatness test alone would call the float32
+    rounding of a large FedAvg/DP-SGD weight difference clean and full rank. Returns
     (rank, ν, noise edge); for such a spectrum, the full rank again when the noise route finds
     no signal above its edge or a tail that is not a noise bulk.
     """
@@ -105,8 +105,28 @@ def decompose(
 
     ``floor_rtol`` is the relative size below which a singular value is rounding error whatever
     the noise estimate says (rounding noise is not i.i.d.: float32 gradients need ~1e-6).
-    Raises ``ValueError`` when the rank is 0 or not smaller than min(m, n) (then the batch is
-    not identifiable from this layer) or when an explicit ``batch_size`` exceeds min(m, n) - 1.
+
+    Parameters
+    ----------
+    weight_grad : (m, n)
+        The layer's weight gradient (or weight update).
+    batch_size
+        The batch size, when known; None reads it off the spectrum.
+    rank_margin
+        Signal singular values lie above this many noise edges ν(√m + √n).
+    floor_rtol
+        See above (``tolerances.RANK_FLOOR``).
+
+    Returns
+    -------
+    Decomposition
+        L (m, B) with orthonormal columns, R (B, n), all singular values, B, the noise estimate.
+
+    Raises
+    ------
+    ValueError
+        When the rank is 0 or not smaller than min(m, n) (then the batch is not identifiable
+        from this layer) or when an explicit ``batch_size`` exceeds min(m, n) - 1.
     """
     m, n = weight_grad.shape
     G = weight_grad.double()

@@ -1,19 +1,19 @@
-"""Step 4a (SPEC §5, partial bases): is a found column the ∂L/∂Z column of a real input?
+"""Partial bases (beyond the papers): is a found column the ∂L/∂Z column of a real input?
 
-With a full basis the sparsity match λ checks every column (SPEC §1). With fewer than B columns
+With a full basis the sparsity match λ checks every column (SPEAR §4.2). With fewer than B columns
 that check is not available, yet the search needs to know which columns to build on: a mixture
 of two samples with almost the same ReLU pattern is nearly as sparse as either sample, and one
 such column in the found set makes the later rounds search the wrong complement and makes the
-completion of the missing columns (:mod:`fl_attack.refine`) solve the wrong slice.
+completion of the missing columns (:mod:`fl_attack.completion`) solve the wrong slice.
 
 A true column j has a dual row p_j (the j-th row of Q̄⁻¹) with p_j · q_k = 0 for every other
 true column and p_j · t = s_j, and the sample's pre-activations Z_j = W R^T p_j / s_j + b are
 ≤ 0 exactly on the zero rows of L q_j. So a = p_j / s_j lies in the affine set
 {a : a · q_k = 0 (k ≠ j found), a · t = 1}, of dimension B − F, and the m sign conditions on
-W R^T a + b must be feasible there. A linear program decides that. For the mixture columns seen
-on real photo batches (B = 100, m = 1000) they are infeasible by a wide margin, and so is the
-partner of a mixture while the mixture is in the set; true columns of a set of true columns are
-feasible (tested in tests/test_steps.py).
+W R^T a + b must be feasible there. A linear program decides that: for a mixture of two similar
+samples they are infeasible by a wide margin, and so is the partner of a mixture while the
+mixture is in the set; true columns of a set of true columns are feasible (tested in
+tests/test_steps.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 from scipy.optimize import linprog
 
 from fl_attack.clock import passed
-from fl_attack.filtering import zero_mask
-from fl_attack.refine import dual_slice
+from fl_attack.columns import zero_mask
+from fl_attack.completion import dual_slice
 from fl_attack.scale import LayerSystem
 
 FAIL_MARGIN = -1e-2
@@ -104,8 +104,7 @@ def pattern_margins(
     Needs ``weight`` and ``bias`` (``system.WR``).
     The LPs are built here in groups and solved on ``torch.get_num_threads()`` threads (the
     solver releases the GIL). Torch work stays on this thread: building the LPs in the worker
-    threads as well made the attack's later steps slower (slice sampling +10-17 s per batch
-    at B = 150, m = 4000 on 2 cores).
+    threads as well slowed the attack's later steps down.
     """
     if system.WR is None or system.bias is None:
         raise ValueError("pattern_margins needs the layer's weight and bias")

@@ -1,4 +1,5 @@
-"""Step 3 (SPEC §3.2, §4): keep candidate directions that are sparse enough and new (up to sign)."""
+"""Filtering candidates (SPEAR §4.1, SPEAR++ §4.3): the sparsity a true column must show, and
+how clearly sparse a column is under noise."""
 
 from __future__ import annotations
 
@@ -23,25 +24,19 @@ def min_zero_count(m: int, p_false_reject: float, tau: float | None = None) -> i
     return max(k, 0) + 1
 
 
-def zero_mask(V: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Entries of each column of ``V`` (m, K) that are numerically zero relative to its max."""
-    scale = V.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(V.dtype).tiny)
-    return V.abs() <= rtol * scale
-
-
 def noise_scales(Q: torch.Tensor, row_noise: torch.Tensor) -> torch.Tensor:
     """Std of the noise on each entry of L q for the columns q of ``Q`` (B, K) (K,).
 
     L is the orthonormal factor of a gradient carrying i.i.d. noise of std ν, whose j-th
     column is perturbed by about ν / s_j (s_j its singular value); ``row_noise`` is that
-    vector ν / s (B,). Measured at B = 150, m = 4000 under DP noise on the true columns' zero
-    rows: 0.94-1.02 x this prediction.
+    vector ν / s (B,).
     """
     return (Q * row_noise[:, None].to(Q)).norm(dim=0)
 
 
 CLEAR_ZERO_SD = 3.0
 """Entries within this many noise stds count as zeros in :func:`noisy_sparsity`."""
+
 
 CLEAR_SIGNAL_SD = 20.0
 """Entries beyond this many noise stds count as clearly active in :func:`noisy_sparsity`."""
@@ -53,33 +48,10 @@ def noisy_sparsity(V: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ambiguous band up to :data:`CLEAR_SIGNAL_SD`.
 
     A true column under noise is bimodal: about half its entries at the noise level, the rest
-    far above (median 75 stds at B = 150, m = 4000, DP noise at f = 0.01). A zero count
-    relative to the column's largest entry ranked such columns below directions dominated by
-    the noisiest singular vectors (noise std 6x larger, one large entry, a continuum below
-    it): none of the 300 top-ranked of 8138 pool columns was a true one, and the selection
-    held 118 of the 133 true columns in the pool. Ranked by this score: 186 of the top 300,
-    and 132 of the 133 selected.
+    far above. A zero count relative to the column's largest entry ranks such columns below
+    directions dominated by the noisiest singular vectors (larger noise, one large entry, a
+    continuum below it); this score ranks the true columns first.
     """
     r = V.abs() / scale.clamp_min(torch.finfo(V.dtype).tiny)
     zero = r <= CLEAR_ZERO_SD
     return zero.sum(dim=0) - ((~zero) & (r <= CLEAR_SIGNAL_SD)).sum(dim=0)
-
-
-def normalize_columns(Q: torch.Tensor) -> torch.Tensor:
-    """Unit-norm columns with a canonical sign (largest-magnitude entry positive)."""
-    Q = Q / Q.norm(dim=0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
-    idx = Q.abs().argmax(dim=0)
-    sign = torch.sign(Q.gather(0, idx[None])).squeeze(0)
-    sign[sign == 0] = 1
-    return Q * sign
-
-
-def dedupe(Q: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
-    """Indices of the columns of ``Q`` to keep: the first of each group of ± duplicates."""
-    K = Q.shape[1]
-    if K <= 1:
-        return torch.arange(K, device=Q.device)
-    Qn = normalize_columns(Q)
-    cos = (Qn.T @ Qn).abs()
-    dup = torch.triu(cos > 1 - tol, diagonal=1).any(dim=0)
-    return torch.nonzero(~dup).squeeze(1)

@@ -1,4 +1,5 @@
-"""Inverting a layer through its sparse *inputs* (SPEC §8): ``sparse="input"`` and ``"auto"``.
+"""Inverting a layer through its sparse *inputs* (SPEAR §3.2, "input sparsity"):
+``sparse="input"`` and ``"auto"``.
 
 A linear layer preceded by a ReLU sees non-negative, sparse inputs ``x_i`` (about half of the
 entries exactly zero). Its weight gradient ``G = Σ_i g_i x_iᵀ`` (m, n), ``g_i = ∂L/∂z_i``, has
@@ -27,43 +28,51 @@ found **and** every ``x_i`` is non-negative up to the zero tolerance with a posi
 For a layer *not* followed by a ReLU (an output layer) the certificate does not apply: λ stays
 below 1 and nothing is marked exact, although the reconstruction itself may be right.
 
-Selection. ``fl_attack.attack._Search`` is reused with a :class:`~fl_attack.scale.LayerSystem`
-whose ``weight``/``WR``/``bias`` are None: its stage-1 selection (sparsest independent candidates)
-and the pool of candidates are what input mode needs, while its stage 2, exact completion and
-repair are written in output-mode formulas (they predict the pattern of ``L Q`` from
-``Z = W (Q⁻¹R)ᵀ + b``), which do not hold for the transposed problem. Instead, when λ < 1,
-:func:`greedy_swaps` does the input-mode stage 2 (swap a column for a spare candidate while λ
-grows, each trial in O(m B) by the rank-one update of ``Q̄⁻¹``), and further search rounds feed
-the pool until λ = 1, ``max_rounds`` or ``max_seconds``.
+Selection. The search loop of :mod:`fl_attack.loop` runs on the transposed decomposition with
+``SearchContext.input_side`` set (sign-aware loss, uniform restarts) and a
+:class:`~fl_attack.scale.LayerSystem` whose ``weight``/``WR``/``bias`` are None: its pool and
+stage-1 selection (sparsest independent candidates) are what input mode needs, while the
+output side's stage 2, exact completion and repair are written in output-mode formulas (they
+predict the pattern of ``L Q`` from ``Z = W (Q⁻¹R)ᵀ + b``), which do not hold for the transposed
+problem. Instead, when λ < 1, :func:`greedy_swaps` does the input-mode stage 2 (the shared
+``select.swap_greedily`` with :class:`InputSwaps`: each trial in O(m B) by the rank-one update
+of ``Q̄⁻¹``), and further search passes feed the pool until λ = 1, ``max_rounds`` or
+``max_seconds``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from fl_attack import attack as _attack
-from fl_attack import search
-from fl_attack.clock import passed
+from fl_attack import levels, loop
+from fl_attack.clock import Clock, passed
+from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
-from fl_attack.filtering import normalize_columns, zero_mask
+from fl_attack.match import ambiguous, forgive_chance_zeros
+from fl_attack.pool import CandidatePool
+from fl_attack.result import Reconstruction, build_reconstruction
 from fl_attack.scale import LayerSystem
-from fl_attack.select import _ambiguous, best_swap, forgive_chance_zeros
+from fl_attack.search import signed_sparsity_loss
+from fl_attack.select import Trial, swap_greedily
+from fl_attack.state import SearchContext, SearchState, search_context
+from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.validation import LayerUpdate
 
 __all__ = [
     "InputMatch",
+    "InputSwaps",
     "better_side",
     "greedy_swaps",
     "input_factors",
+    "input_match",
     "inverse_scales",
     "invert_auto",
     "invert_inputs",
-    "optimise_signed",
     "orient_nonnegative",
     "pattern_match",
     "side_score",
@@ -156,7 +165,7 @@ def pattern_match(
     Z = (X @ weight.T + bias).T  # (m, B)
     V = D.T  # (m, B)
     Dzero = zero_mask(V, zero_rtol)
-    amb = _ambiguous(V, zero_rtol)
+    amb = ambiguous(V, zero_rtol)
     agree, forgiven = forgive_chance_zeros(_agree(Z, Dzero, z_band) | amb, Z, amb, Dzero, z_band)
     per = agree.sum(dim=0)
     m, B = V.shape
@@ -166,8 +175,9 @@ def pattern_match(
                       chance_zeros=forgiven)
 
 
-def _match(Q: torch.Tensor, system: LayerSystem, W: torch.Tensor, b: torch.Tensor,
-           t: torch.Tensor) -> InputMatch:
+def input_match(Q: torch.Tensor, system: LayerSystem, W: torch.Tensor, b: torch.Tensor,
+                t: torch.Tensor) -> InputMatch:
+    """:func:`pattern_match` of the unscaled columns ``Q`` (B, B) of the transposed problem."""
     X, D, u = input_factors(Q, system.L, system.R, t)
     return pattern_match(X, D, u, W, b, zero_rtol=system.zero_rtol, z_band=system.z_band)
 
@@ -194,27 +204,42 @@ def greedy_swaps(
     candidate (the others would make the basis nearly singular). Returns (Q, match, swaps).
     Past ``deadline`` (a ``time.perf_counter()`` value) no new swap is searched.
     """
-    L, R, rtol, band = system.L, system.R, system.zero_rtol, system.z_band
-    match = _match(Q, system, weight, bias, t)
-    if spare.shape[1] == 0:
-        return Q, match, 0
-    Q, spare = Q.clone(), spare.clone()
-    m, B = R.shape[1], Q.shape[0]
-    WL = weight @ L  # (m, B): z of any direction c is WL c / u + b
-    z_spare = WL @ spare  # (m, c) unscaled
-    u_spare = spare.T @ t  # (c,)
-    swaps = 0
-    while swaps < max_swaps and match.value < 1.0:
-        if passed(deadline):
-            break
+    scorer = InputSwaps(system, weight, bias, t, spare)
+    return swap_greedily(Q, spare, scorer, max_swaps=max_swaps, positions=positions,
+                         chunk_elems=chunk_elems, deadline=deadline)
+
+
+class InputSwaps:
+    """The input side's swap score (:class:`~fl_attack.select.SwapScorer`): λ of
+    :func:`pattern_match`, each trial by the rank-one update of ``Q̄⁻¹`` (see
+    :func:`greedy_swaps`)."""
+
+    def __init__(self, system: LayerSystem, weight: torch.Tensor, bias: torch.Tensor,
+                 t: torch.Tensor, spare: torch.Tensor) -> None:
+        self.system, self.weight, self.bias, self.t = system, weight, bias, t
+        self.units = system.R.shape[1]
+        self.WL = weight @ system.L  # (m, B): z of any direction c is WL c / u + b
+        self.z_spare = self.WL @ spare  # (m, c) unscaled
+        self.u_spare = spare.T @ t  # (c,)
+
+    def match(self, Q: torch.Tensor) -> InputMatch:
+        return input_match(Q, self.system, self.weight, self.bias, self.t)
+
+    def total(self, match: InputMatch) -> float:
+        return float(match.per_sample.sum())
+
+    def trials(self, Q: torch.Tensor, spare: torch.Tensor,
+               match: InputMatch) -> tuple[torch.Tensor, Trial]:
+        rtol, band, bias = self.system.zero_rtol, self.system.z_band, self.bias
+        z_spare, u_spare = self.z_spare, self.u_spare
+        m, B = self.units, Q.shape[0]
         P = torch.linalg.inv(Q)
-        Ghat = P @ R  # (B, m) unscaled ĝ
-        u = Q.T @ t
-        Zcur = (WL @ Q) / u + bias[:, None]  # (m, B) current z (u_i ≈ 0 gives inf: no match)
+        Ghat = P @ self.system.R  # (B, m) unscaled ĝ
+        u = Q.T @ self.t
+        Zcur = (self.WL @ Q) / u + bias[:, None]  # (m, B) current z (u_i ≈ 0 gives inf)
 
         def trial(us: torch.Tensor, i: torch.Tensor, a_i: torch.Tensor, ok: torch.Tensor,
-                  ratio: torch.Tensor, Ghat: torch.Tensor = Ghat, u: torch.Tensor = u,
-                  Zcur: torch.Tensor = Zcur) -> torch.Tensor:
+                  ratio: torch.Tensor) -> torch.Tensor:
             # new ĝ_j = ĝ_j - ratio_j ĝ_i (j ≠ i), ĝ_i / a_i; scaled by the (unchanged) u_j
             Gi = Ghat[i]  # (p, m)
             G_new = Ghat[:, None, :] - ratio[:, :, None] * Gi[None]  # (B, p, m)
@@ -227,88 +252,17 @@ def greedy_swaps(
             Z = Zcur[:, :, None].expand(m, B, i.numel()).clone()
             Z[:, i, p_idx] = z_spare[:, us] / u_spare[us] + bias[:, None]
             Vz = zero_mask(V.reshape(m, -1), rtol).reshape(m, B, -1)
-            amb = _ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
+            amb = ambiguous(V.reshape(m, -1), rtol).reshape(m, B, -1)
             agree = _agree(Z.reshape(m, -1), Vz.reshape(m, -1), band).reshape(m, B, -1) | amb
             total = agree.sum(dim=(0, 1)).to(torch.float64)
             total[u_spare[us] <= 0] = -1.0
             return total
 
-        best = best_swap(P @ spare, trial, base=float(match.per_sample.sum()),
-                         positions=positions, chunk=max(1, chunk_elems // (m * B)),
-                         deadline=deadline)
-        if best is None:
-            break
-        u_sel, i_sel = best
-        old = Q[:, i_sel].clone()
-        Q[:, i_sel] = spare[:, u_sel]
-        spare[:, u_sel] = old
-        z_spare[:, u_sel] = WL @ old
-        u_spare[u_sel] = old @ t
-        match = _match(Q, system, weight, bias, t)
-        swaps += 1
-    return Q, match, swaps
+        return P @ spare, trial
 
-
-#: Weight κ of the sign penalty in the input-mode search loss (see :func:`signed_sparsity_loss`).
-#: Tuned on photos32 (layer 2-3 of a width-200 MLP, B = 20): κ = 0 (plain ℓ1) finds 8-11 of
-#: the 20 inputs per batch, κ = 1-5 finds 15-19 from one round of 400 initialisations.
-SIGN_PENALTY = 5.0
-
-
-def signed_sparsity_loss(V: torch.Tensor, loss: str, alpha: float,
-                         kappa: float = SIGN_PENALTY) -> torch.Tensor:
-    """φ(v) + κ min(Σ_j v_j⁺, Σ_j v_j⁻) per row of ``V`` (..., K, n).
-
-    The inputs of a layer preceded by a ReLU are non-negative and, on real data, share most of
-    their zeros, so differences of two inputs are about as ℓ1-sparse as the inputs themselves
-    and plain ℓ1 stalls at them. The penalty charges a direction for its minority-sign mass:
-    ±x_i (one sign) pays nothing extra, mixtures with opposite signs do.
-    """
-    pos = V.clamp_min(0).sum(dim=-1)
-    neg = (-V).clamp_min(0).sum(dim=-1)
-    return search.sparsity_loss(V, loss, alpha) + kappa * torch.minimum(pos, neg)
-
-
-def optimise_signed(
-    L: torch.Tensor,
-    init: torch.Tensor,
-    *,
-    loss: str = "l1",
-    optimizer: str = "radam",
-    steps: int = 300,
-    lr: float | None = None,
-    milestones: tuple[float, ...] = (0.4, 0.8),
-    gamma: float = 0.1,
-    alpha: float = 20.0,
-    kappa: float = SIGN_PENALTY,
-) -> torch.Tensor:
-    """Minimise :func:`signed_sparsity_loss` of ``L q`` over the sphere from each row of ``init``.
-
-    :func:`fl_attack.search.optimise_on_sphere` with this objective (same optimisers and
-    schedule); returns (B, K) columns.
-    """
-    return search.optimise_on_sphere(
-        L, init, loss=loss, optimizer=optimizer, steps=steps, lr=lr, milestones=milestones,
-        gamma=gamma, alpha=alpha,
-        objective=lambda V: signed_sparsity_loss(V, loss, alpha, kappa),
-    )
-
-
-class _InputSearch(_attack._Search):
-    """``_Search`` on ``Gᵀ`` whose SPEAR++ rounds optimise the sign-aware loss.
-
-    Everything else (restarts, polishing, filtering, face splitting, pool, stage-1 selection,
-    rounds and time budget) is the output-mode machinery, applied to ``L'``.
-    """
-
-    # measured on photos, layer 2, B = 20, seeds 0-3: restarts in the complement certified 1
-    # batch, uniform restarts 2 (the sign-aware loss has other basins), so input mode keeps
-    # uniform restarts
-    complement_restarts = False
-
-    def _objective(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        cfg = self.cfg
-        return lambda V: signed_sparsity_loss(V, cfg.loss, cfg.logcosh_alpha)
+    def swapped(self, i: int, u: int, old: torch.Tensor) -> None:
+        self.z_spare[:, u] = self.WL @ old
+        self.u_spare[u] = old @ self.t
 
 
 def _spares(pool: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
@@ -320,109 +274,113 @@ def _spares(pool: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     return pool[:, (cos < 1 - 1e-9).all(dim=1)]
 
 
-def invert_inputs(
-    G: torch.Tensor,
-    g: torch.Tensor,
-    W: torch.Tensor | None,
-    b: torch.Tensor | None,
-    *,
-    cfg: AttackConfig,
-    precision: torch.dtype,
-    seed: int,
-    device: torch.device,
-    start: float,
-) -> _attack.Reconstruction:
+def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
+                  clock: Clock) -> Reconstruction:
     """``sparse="input"``: recover the inputs of a layer preceded by a ReLU from ``Gᵀ``.
 
-    ``G`` (m, n), ``g`` (m,), ``W``, ``b`` are validated float64 tensors on ``device`` (see
-    :func:`fl_attack.invert`). Returns a :class:`~fl_attack.Reconstruction` whose ``inputs`` are
-    the x_i, ``scales`` the norms of the recovered ``∂L/∂z_i``, ``column_match`` the per-sample λ
-    and ``config.sparse == "input"``. Raises ``ValueError`` when the batch is not smaller than
-    ``min(m, n)`` (the transposed problem is then not identifiable either).
+    Parameters
+    ----------
+    layer
+        The validated update (``validation.load_layer``): ``weight_grad`` G (m, n).
+    cfg, seed, clock
+        The options, the search's seed, the budget and timings.
+
+    Returns
+    -------
+    Reconstruction
+        ``inputs`` the x_i (B, n), ``scales`` the norms of the recovered ``∂L/∂z_i``,
+        ``column_match`` the per-sample λ and ``config.sparse == "input"``.
+
+    Raises
+    ------
+    ValueError
+        When the batch is not smaller than ``min(m, n)`` (the transposed problem is then not
+        identifiable either).
     """
+    G, g = layer.weight_grad, layer.bias_grad
     generator = torch.Generator().manual_seed(seed)
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    floor = 1e-6 if precision == torch.float32 else 1e-13
     try:
         dec = decompose(G.T, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                        floor_rtol=floor)
+                        floor_rtol=rank_floor(layer.precision))
     except ValueError as exc:
         raise ValueError(f"sparse='input' (inverting Gᵀ, inputs of dimension n = {G.shape[1]}): "
                          f"{exc}") from exc
-    timings["decompose"] = time.perf_counter() - t0
+    clock.tick("decompose", t0)
     B = dec.batch_size
-    zero_rtol, z_band = _attack.tolerances(dec, cfg, precision)
+    zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
     # t' = (R'ᵀ)⁺ db: the bias gradient in the coordinates of the transposed factorisation
     t = torch.linalg.lstsq(dec.R.T, g[:, None]).solution[:, 0]
     system = LayerSystem(L=dec.L, R=dec.R, t=t, WR=None, bias=None, zero_rtol=zero_rtol,
                          weight=None, z_band=z_band)
-    run = _InputSearch(cfg, dec, system, generator, device, timings, start)
-    have_wb = W is not None and b is not None
-    swaps = 0
-    match: InputMatch | None = None
+    ctx = search_context(cfg, dec, system, generator, layer.device, clock, input_side=True)
+    state, pool = SearchState(), CandidatePool(ctx)
     if B == 1:
-        Q = torch.ones(1, 1, dtype=torch.float64, device=device)
-        n_found = 1
+        Q, n_found = torch.ones(1, 1, dtype=torch.float64, device=layer.device), 1
     else:
-        Q, n_found = run.find()
-    exhausted = run.exhausted
-    Q = orient_nonnegative(dec.L, Q)
-    if have_wb:
-        assert W is not None and b is not None
-        t0 = time.perf_counter()
-        match = _match(Q, system, W, b, t)
-        while B > 1:
-            if match.value < 1.0 and cfg.greedy:
-                spare = orient_nonnegative(dec.L, _spares(run.pool, Q))
-                Q, match, k = greedy_swaps(Q, spare, system, W, b, t,
-                                           max_swaps=cfg.max_swaps,
-                                           positions=cfg.swap_positions,
-                                           deadline=run.finish_deadline)
-                swaps += k
-                exhausted = exhausted or passed(run.finish_deadline)
-            if match.value >= 1.0 or run.rounds >= cfg.round_cap(run.B):
-                break
-            if run._out_of_time():
-                exhausted = True
-                break
-            timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
-            Q_new, n_new = run.find()  # more rounds feed the pool
-            exhausted = exhausted or run.exhausted
-            Q_new = orient_nonnegative(dec.L, Q_new)
-            t0 = time.perf_counter()
-            m_new = _match(Q_new, system, W, b, t)
-            if (n_new, m_new.value) > (n_found, match.value):
-                Q, n_found, match = Q_new, n_new, m_new
-        timings["select"] = timings.get("select", 0.0) + time.perf_counter() - t0
-
+        Q, n_found = loop.search(ctx, state, pool)
+    picked = _Picked(orient_nonnegative(dec.L, Q), n_found, None, 0, state.exhausted)
+    if layer.weight is not None and layer.bias is not None:
+        picked = _select_inputs(ctx, state, pool, picked, layer.weight, layer.bias)
     t0 = time.perf_counter()
-    X, D, u = input_factors(Q, dec.L, dec.R, t)
-    timings["reconstruct"] = time.perf_counter() - t0
-    lam = match.value if match is not None else None
-    exact = _attack.certified(match.value if match is not None else None, n_found, B,
-                              noisy=run.noisy,
-                              nonnegative=match is not None and bool(match.nonnegative.all()))
-    col = (match.per_sample.double() / G.shape[0]).cpu() if match is not None else None
-    return _attack.Reconstruction(
-        inputs=X.cpu(),
-        batch_size=B,
-        sparsity_match=lam,
-        exact=exact,
-        n_directions=n_found,
-        method=cfg.method,
-        seconds=time.perf_counter() - start,
-        timings=timings,
-        rounds=run.rounds,
-        n_candidates=run.n_candidates,
-        swaps=swaps,
-        noise_std=dec.noise_std,
-        scales=D.norm(dim=1).cpu(),
-        column_match=col,
-        chance_zeros=match.chance_zeros if match is not None else 0,
-        config=dataclasses.replace(cfg, sparse="input"),
-        budget_exhausted=exhausted,
+    X, D, _ = input_factors(picked.Q, dec.L, dec.R, t)
+    clock.tick("reconstruct", t0)
+    m = picked.match
+    return build_reconstruction(
+        X, cfg=dataclasses.replace(cfg, sparse="input"), clock=clock, batch_size=B,
+        n_found=picked.n_found, sparsity_match=m.value if m is not None else None,
+        per_column=m.per_sample if m is not None else None, units=G.shape[0],
+        chance_zeros=m.chance_zeros if m is not None else 0, noisy=ctx.noisy,
+        noise_std=dec.noise_std, scales=D.norm(dim=1), rounds=state.rounds,
+        n_candidates=len(pool), swaps=picked.swaps, exhausted=picked.exhausted,
+        nonnegative=m is not None and bool(m.nonnegative.all()),
     )
+
+
+@dataclass
+class _Picked:
+    """The input side's current basis and what the final selection knows about it."""
+
+    Q: torch.Tensor
+    n_found: int
+    match: InputMatch | None
+    swaps: int
+    exhausted: bool
+
+
+def _select_inputs(ctx: SearchContext, state: SearchState, pool: CandidatePool,
+                   picked: _Picked, W: torch.Tensor, b: torch.Tensor) -> _Picked:
+    """Input-mode stage 2 with W and b: swap while λ < 1, and while it stays below 1 run more
+    search passes that feed the pool (until the round cap or the budget), keeping the best
+    basis by (directions found, λ)."""
+    cfg, clock, system, L = ctx.cfg, ctx.clock, ctx.system, ctx.L
+    t0 = time.perf_counter()
+    picked.match = match = input_match(picked.Q, system, W, b, system.t)
+    while ctx.B > 1:
+        if match.value < 1.0 and cfg.greedy:
+            spare = orient_nonnegative(L, _spares(pool.columns, picked.Q))
+            picked.Q, match, k = greedy_swaps(picked.Q, spare, system, W, b, system.t,
+                                              max_swaps=cfg.max_swaps,
+                                              positions=cfg.swap_positions,
+                                              deadline=clock.finish_deadline)
+            picked.match, picked.swaps = match, picked.swaps + k
+            picked.exhausted = picked.exhausted or passed(clock.finish_deadline)
+        if match.value >= 1.0 or state.rounds >= cfg.round_cap(ctx.B):
+            break
+        if clock.expired():
+            picked.exhausted = True
+            break
+        clock.tick("select", t0)
+        Q_new, n_new = loop.search(ctx, state, pool)  # more rounds feed the pool
+        picked.exhausted = picked.exhausted or state.exhausted
+        Q_new = orient_nonnegative(L, Q_new)
+        t0 = time.perf_counter()
+        m_new = input_match(Q_new, system, W, b, system.t)
+        if (n_new, m_new.value) > (picked.n_found, match.value):
+            picked.Q, picked.n_found, picked.match = Q_new, n_new, m_new
+            match = m_new
+    clock.tick("select", t0)
+    return picked
 
 
 def side_score(
@@ -446,12 +404,10 @@ def side_score(
       *before* the layer: its outputs have no negative entry).
 
     Both are 1 for the true batch. Neither suffices alone: at deep layers the biases dominate
-    ``z``, so wrong inputs keep a high λ (measured: an output side with no sample right at
-    λ = 0.93-0.95 against an input side with 17/20 right at λ = 0.82), while a wrong row has
-    negative entries; on a first layer (signed inputs) the row test is 0 for both sides and λ
-    decides. The row test counts whole samples, not entries: a nearly-right mixture has only a
-    few slightly negative entries (89-91% of entries non-negative on those batches, which an
-    entry fraction ranks above the input side's 98%). Without ``W``, ``b`` only the row test.
+    ``z``, so wrong inputs keep a high λ, while a wrong row has negative entries; on a first
+    layer (signed inputs) the row test is 0 for both sides and λ decides. The row test counts
+    whole samples, not entries: a nearly-right mixture has only a few slightly negative
+    entries. Without ``W``, ``b`` only the row test.
     """
     X = X.to(G)
     xmax = X.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
@@ -465,15 +421,15 @@ def side_score(
 
 
 def better_side(
-    out: _attack.Reconstruction,
-    inp: _attack.Reconstruction,
+    out: Reconstruction,
+    inp: Reconstruction,
     G: torch.Tensor,
     W: torch.Tensor | None,
     b: torch.Tensor | None,
     *,
     zero_rtol: float,
     z_band: float = 0.0,
-) -> tuple[_attack.Reconstruction, _attack.Reconstruction]:
+) -> tuple[Reconstruction, Reconstruction]:
     """``"auto"``'s rule: which of the two sides' results to return.
 
     Parameters
@@ -483,7 +439,7 @@ def better_side(
     G : (m, n)
         The layer's weight gradient; ``W`` (m, n) and ``b`` (m,) its parameters, or None.
     zero_rtol, z_band
-        The tolerances of the layer's decomposition (``attack.tolerances``).
+        The tolerances of the layer's decomposition (``tolerances.tolerances``).
 
     Returns
     -------
@@ -492,52 +448,48 @@ def better_side(
         on ties. Each side's own ``sparsity_match`` is not used: the two λ are computed on
         different factorisations and do not compare (see :func:`side_score`).
     """
-    def rank(rec: _attack.Reconstruction) -> tuple[bool, float, int]:
+    def rank(rec: Reconstruction) -> tuple[bool, float, int]:
         score = side_score(rec.inputs, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
         return rec.exact, score, rec.n_directions
 
     return (inp, out) if rank(inp) > rank(out) else (out, inp)
 
 
-def invert_auto(
-    G: torch.Tensor,
-    g: torch.Tensor,
-    W: torch.Tensor | None,
-    b: torch.Tensor | None,
-    *,
-    cfg: AttackConfig,
-    precision: torch.dtype,
-    seed: int,
-    device: torch.device,
-    start: float,
-) -> _attack.Reconstruction:
+def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
+                clock: Clock) -> Reconstruction:
     """``sparse="auto"``: the output side first; if it is not exact, the input side as well.
 
-    Returns the better of the two by (exact, :func:`side_score`, directions found), the output
-    side on ties (each side's own λ is not enough to compare them, see :func:`side_score`);
-    ``config.sparse`` of the result names the side used and ``timings["other_side"]`` the seconds
-    spent on the side not returned. ``max_seconds`` bounds the two attempts together (the input
-    side gets what the output side left, but always at least one search round).
+    Parameters
+    ----------
+    layer, cfg, seed, clock
+        As for :func:`invert_inputs`; ``max_seconds`` bounds the two attempts together (the
+        input side gets what the output side left, but always at least one search round).
+
+    Returns
+    -------
+    Reconstruction
+        The better of the two by :func:`better_side`; ``config.sparse`` names the side used
+        and ``timings["other_side"]`` the seconds spent on the side not returned.
     """
-    out = _attack.invert(G.to(precision), g.to(precision), weight=W, bias=b, method=cfg.method,
-                         seed=seed, device=device,
-                         config=dataclasses.replace(cfg, sparse="output"))
-    out.config = dataclasses.replace(cfg, sparse="output")
+    G, W, b, precision = layer.weight_grad, layer.weight, layer.bias, layer.precision
+    out_cfg = dataclasses.replace(cfg, sparse="output")
+    out_layer = dataclasses.replace(layer, weight_grad=G.to(precision).double(),
+                                    bias_grad=layer.bias_grad.to(precision).double(),
+                                    next_weight_grad=None)
+    out = levels.invert_output(out_layer, out_cfg, seed, Clock(cfg.max_seconds))
     if out.exact:
-        out.seconds = time.perf_counter() - start
+        out.seconds = clock.elapsed()
         return out
     budget = cfg.max_seconds
     if budget is not None:
-        budget = max(budget - (time.perf_counter() - start), 1e-3)
-    t_in = time.perf_counter()
-    inp = invert_inputs(G, g, W, b, cfg=dataclasses.replace(cfg, max_seconds=budget),
-                        precision=precision, seed=seed, device=device, start=t_in)
-    floor = 1e-6 if precision == torch.float32 else 1e-13
-    dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin, floor_rtol=floor)
-    zero_rtol, z_band = _attack.tolerances(dec, cfg, precision)
+        budget = max(budget - clock.elapsed(), 1e-3)
+    inp = invert_inputs(layer, dataclasses.replace(cfg, max_seconds=budget), seed, Clock(budget))
+    dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
+                    floor_rtol=rank_floor(precision))
+    zero_rtol, z_band = tolerances(dec, cfg, precision)
     best, other = better_side(out, inp, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
     best.budget_exhausted = out.budget_exhausted or inp.budget_exhausted
     best.timings["other_side"] = other.seconds
-    best.seconds = time.perf_counter() - start
+    best.seconds = clock.elapsed()
     best.config = dataclasses.replace(best.config or cfg, max_seconds=cfg.max_seconds)
     return best

@@ -8,9 +8,7 @@ kernel), and on the active units h is W x + b up to a scale: a linear system tha
 sample x itself, exactly, without the other columns (which ``scale.reconstruct`` needs). Its
 pattern must then agree with the column's zeros, a per-sample certificate. With x and the
 column's scale known, the sample's term g_k x_kᵀ comes off the gradient, leaving the same layer
-with a smaller batch: at B = 210, m = 4000 (where the single-layer search stalls at ~130 of 210
-columns) peeling 76 verified samples left a (134, 4000) problem that the search solved exactly
-in one round (measured on a real batch, experiments/results/core.md, session 16).
+with a smaller batch, which is far easier to search (``experiments/results/core.md``).
 
 The honest-but-curious server has every layer's gradient, so this is the same threat model as
 SPEAR(++); the papers use the attacked layer alone. Clean single-step gradients only: a FedAvg
@@ -28,19 +26,16 @@ from fl_attack.decompose import Decomposition, decompose
 
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 """Largest σ_min/σ_max of the next layer's rows on a column's zero rows that counts as a kernel.
-On the true zero sets of real photo batches (float32 gradients, rows from the range finder)
-it is 5e-8 to 3.9e-7 at B = 150, m = 1000 and 2e-8 to 1.5e-7 at B = 210, m = 4000, while the
-next singular value is above 8e-2. An earlier 1e-7 rejected 114 of 150 and 35 of 210 true
-columns there. The float32 value is the pre-activation band (``attack.tolerances``): a unit
-whose activation is that small cannot be told from an inactive one anyway. The kernel test
-only picks h; the residual and pattern checks in :func:`recover` certify the sample. Sums of
-two true columns and true columns perturbed by 1e-3 were never verified, even at 1e-4."""
+On the true zero sets of real photo batches (float32 gradients) it stays orders of magnitude
+below this, and the next singular value far above. The float32 value is the pre-activation
+band (``tolerances.Z_BAND``): a unit whose activation is that small cannot be told from an
+inactive one anyway. The kernel test only picks h; the residual and pattern checks in
+:func:`recover` certify the sample."""
 
 TRIM_ROUNDS = 12
 """Times the zero rows are trimmed when they have no kernel: a column's zero test also passes
-active units whose ∂L/∂Z is tiny (chance zeros, ~0.6 per column at m = 4000, 1e-4 tolerance),
-and one such row removes the kernel. Each round drops the rows where the nearest vector is
-large; 1-7 rounds sufficed for every true column measured."""
+active units whose ∂L/∂Z is tiny (chance zeros), and one such row removes the kernel. Each
+round drops the rows where the nearest vector is large."""
 
 TRIM_LEVEL = 0.3
 """A zero row is trimmed when the nearest vector's entry there exceeds this fraction of its
@@ -57,8 +52,7 @@ MAX_CHANCE_ZEROS = 0.002
 """Share of the m units (at least one unit) that may be zero in the column although the
 recovered sample keeps them active (chance zeros: ∂L/∂Z tiny at an active unit); more and the
 column is not verified. Counted on the recovered sample, not as the rows the kernel search
-trimmed: trimming also drops true zero rows next to a chance zero (2-4 rows for one chance
-zero at B = 100, m = 500)."""
+trimmed: trimming also drops true zero rows next to a chance zero."""
 
 
 @dataclass
@@ -140,6 +134,24 @@ def recover(
     inactive unit is a zero row of the column, and at most :data:`MAX_CHANCE_ZEROS` x m zero
     rows stay active. Past ``deadline`` (a ``time.perf_counter()`` value, checked between
     columns) the remaining columns are not tried (reported as not verified).
+
+    Parameters
+    ----------
+    columns : (B, K)
+        Found columns in L's coordinates.
+    L : (m, B), R : (B, n)
+        The decomposition.
+    rows2 : (B, m)
+        The next layer's activation span (:func:`next_layer_rows`).
+    WR : (m, B), bias : (m,)
+        The layer's products.
+    zero_rtol, z_band, precision
+        The tolerances and the gradient's precision.
+
+    Returns
+    -------
+    Peeled
+        The verified samples, their coordinates and columns, and which columns verified.
     """
     m, B = L.shape
     tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]

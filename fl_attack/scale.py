@@ -1,4 +1,4 @@
-"""Step 5 (SPEC §1 "Scale"): fix the unknown column scales from the bias gradient, reconstruct X.
+"""Step 5 (SPEAR §3.4): fix the unknown column scales from the bias gradient, reconstruct X.
 
 For unscaled columns Q̄, g = ∂L/∂Z · 1 = L Q̄ s, so s = Q̄⁻¹ L⁺ g and Xᵀ = diag(s)⁻¹ Q̄⁻¹ R.
 """
@@ -50,12 +50,25 @@ def make_system(
 
 
 def scales(Q: torch.Tensor, system: LayerSystem) -> torch.Tensor:
-    """Scales s with Q = Q̄ diag(s) (SPEC §1)."""
+    """Scales s with Q = Q̄ diag(s) (SPEAR §3.4)."""
     return torch.linalg.solve(Q, system.t)
 
 
 def reconstruct(Q: torch.Tensor, system: LayerSystem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs Xᵀ (B, n) for unscaled columns ``Q`` (B, B), and the scales used."""
+    """The inputs for unscaled columns ``Q`` (SPEAR §3.4): Xᵀ = diag(s)⁻¹ Q⁻¹ R.
+
+    Parameters
+    ----------
+    Q : (B, B)
+        The selected unit columns.
+    system
+        The layer's products (R and t = L⁺ g).
+
+    Returns
+    -------
+    (X (B, n), s (B,))
+        The inputs (rows) and the scales used (tiny scales floored at float epsilon).
+    """
     P_R = torch.linalg.solve(Q, system.R)
     s = scales(Q, system)
     tiny = torch.finfo(s.dtype).eps * s.abs().max()

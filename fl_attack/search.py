@@ -1,4 +1,4 @@
-"""Step 2 of SPEAR++ (SPEC §4): sparse directions as local minima of φ(L q) on the unit sphere.
+"""Step 2 of SPEAR++ (SPEAR++ §4.2): sparse directions as local minima of φ(L q) on the sphere.
 
 All K random initialisations are optimised together as one (K, B) matrix, so each step is two
 dense matrix products, on whatever device ``L`` lives on.
@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from fl_attack.clock import passed
+from fl_attack.tuning import TUNING
 
 
 def _geoopt() -> ModuleType:
@@ -39,6 +40,20 @@ def sparsity_loss(V: torch.Tensor, loss: str, alpha: float) -> torch.Tensor:
     if loss == "l4":
         return -V.pow(4).sum(dim=-1)
     raise ValueError(f"unknown loss {loss!r}; choose 'l1', 'logcosh' or 'l4'")
+
+
+def signed_sparsity_loss(V: torch.Tensor, loss: str, alpha: float,
+                         kappa: float = TUNING.sign_penalty) -> torch.Tensor:
+    """φ(v) + κ min(Σ_j v_j⁺, Σ_j v_j⁻) per row of ``V`` (..., K, n).
+
+    The inputs of a layer preceded by a ReLU are non-negative and, on real data, share most of
+    their zeros, so differences of two inputs are about as ℓ1-sparse as the inputs themselves
+    and plain ℓ1 stalls at them. The penalty charges a direction for its minority-sign mass:
+    ±x_i (one sign) pays nothing extra, mixtures with opposite signs do.
+    """
+    pos = V.clamp_min(0).sum(dim=-1)
+    neg = (-V).clamp_min(0).sum(dim=-1)
+    return sparsity_loss(V, loss, alpha) + kappa * torch.minimum(pos, neg)
 
 
 def random_sphere(K: int, B: int, *, generator: torch.Generator, dtype: torch.dtype,
@@ -80,42 +95,82 @@ def optimise_on_sphere(
     Riemannian Adam is geoopt's; PGD takes a Euclidean gradient step on the mean loss and
     renormalises. ``deadline`` (a ``time.perf_counter()`` value) stops the steps early, checked
     every :data:`CHECK_EVERY` steps: the caller's time budget, the iterates as they are then.
+
+    Parameters
+    ----------
+    L : (m, B) or (F, m, B)
+        The factor (or a stack of factors) whose sparse directions are sought.
+    init : (K, B) or (F, K, B)
+        Starting points on the unit sphere.
+    loss, optimizer, steps, lr, milestones, gamma, alpha
+        φ, the optimiser and its schedule (``AttackConfig``).
+    objective
+        Replaces φ (see above).
+    deadline
+        A ``time.perf_counter()`` value, or None.
+
+    Returns
+    -------
+    torch.Tensor
+        (B, K) (or (F, B, K)) the optimised unit directions, in ``L``'s dtype.
+
+    Raises
+    ------
+    ValueError
+        An unknown loss or optimizer.
     """
     L = L.detach()
     Lt = L.transpose(-1, -2).contiguous()
-    m = L.shape[-2]
     X0 = init.to(device=L.device, dtype=L.dtype)
     marks = sorted({int(f * steps) for f in milestones})
     if objective is None:
         def objective(V: torch.Tensor) -> torch.Tensor:
             return sparsity_loss(V, loss, alpha)
     if optimizer == "radam":
-        geoopt = _geoopt()
-        param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
-        opt = geoopt.optim.RiemannianAdam([param], lr=0.1 if lr is None else lr)
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
-        for it in range(steps):
-            if _past(deadline, it):
-                break
-            opt.zero_grad(set_to_none=True)
-            objective(param @ Lt).sum().backward()
-            opt.step()
-            sched.step()
-        return param.detach().transpose(-1, -2).contiguous()
-    if optimizer == "pgd":
-        X = X0.clone().requires_grad_(True)
-        step = 5.0 if lr is None else lr
-        for it in range(steps):
-            if _past(deadline, it):
-                break
-            if it in marks:
-                step *= gamma
-            (grad,) = torch.autograd.grad((objective(X @ Lt) / m).sum(), X)
-            with torch.no_grad():
-                X -= step * grad
-                X /= X.norm(dim=-1, keepdim=True)
-        return X.detach().transpose(-1, -2).contiguous()
-    raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")
+        X = _radam(Lt, X0, objective, steps, 0.1 if lr is None else lr, marks, gamma, deadline)
+    elif optimizer == "pgd":
+        X = _pgd(Lt, X0, objective, steps, 5.0 if lr is None else lr, marks, gamma, deadline)
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose 'radam' or 'pgd'")
+    return X.transpose(-1, -2).contiguous()
+
+
+Objective = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _radam(Lt: torch.Tensor, X0: torch.Tensor, objective: Objective, steps: int, lr: float,
+           marks: list[int], gamma: float, deadline: float | None) -> torch.Tensor:
+    """Riemannian Adam (geoopt) on the sphere from the rows of ``X0``; the final rows."""
+    geoopt = _geoopt()
+    param = geoopt.ManifoldParameter(X0.clone(), manifold=geoopt.Sphere())
+    opt = geoopt.optim.RiemannianAdam([param], lr=lr)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=marks, gamma=gamma)
+    for it in range(steps):
+        if _past(deadline, it):
+            break
+        opt.zero_grad(set_to_none=True)
+        objective(param @ Lt).sum().backward()
+        opt.step()
+        sched.step()
+    return param.detach()
+
+
+def _pgd(Lt: torch.Tensor, X0: torch.Tensor, objective: Objective, steps: int, lr: float,
+         marks: list[int], gamma: float, deadline: float | None) -> torch.Tensor:
+    """Projected gradient descent on the mean loss: a Euclidean step, then renormalise."""
+    m = Lt.shape[-1]
+    X = X0.clone().requires_grad_(True)
+    step = lr
+    for it in range(steps):
+        if _past(deadline, it):
+            break
+        if it in marks:
+            step *= gamma
+        (grad,) = torch.autograd.grad((objective(X @ Lt) / m).sum(), X)
+        with torch.no_grad():
+            X -= step * grad
+            X /= X.norm(dim=-1, keepdim=True)
+    return X.detach()
 
 
 def random_complement(found: torch.Tensor, K: int, *, generator: torch.Generator,
@@ -125,9 +180,7 @@ def random_complement(found: torch.Tensor, K: int, *, generator: torch.Generator
     On real data most random starts fall into the basins of a few columns, found first
     again and again. Starts orthogonal to the columns already found leave the landscape as it
     is (its minima are still the sparse directions) but land in the basins of the missing
-    ones far more often: measured on photo batches with 3 of 20 columns missing, 42 of 200
-    starts reached a missing column at m = 200 and 135 of 200 at m = 1000, against 6 and 13
-    from uniform starts.
+    ones far more often (tested in tests/test_steps.py).
     """
     B = found.shape[0]
     Fq = found.double().cpu()

@@ -6,12 +6,12 @@ only sees the weights the client sends back (see :mod:`fl_attack.updates`), so w
 that the local training is exactly what a real client runs:
 
 * ``fedsgd``: one SGD step of the mean cross-entropy on the whole batch, so ``W0 - W1 = lr * grad``.
-* ``fedavg``: ``epochs`` passes of plain SGD over mini-batches (SPEC §7); the weight delta keeps the
-  low-rank structure of the first-layer gradient.
+* ``fedavg``: ``epochs`` passes of plain SGD over mini-batches (SPEAR App. F); the weight delta
+  keeps the low-rank structure of the first-layer gradient.
 * ``dpsgd``: real per-sample DP-SGD with Opacus (``GradSampleModule`` + ``DPOptimizer``):
   per-sample clipping at ``max_grad_norm``, Gaussian noise of std ``noise_multiplier *
   max_grad_norm`` on the summed gradient, and (epsilon, delta) from Opacus' RDP accountant
-  (SPEC §6). Batches are fixed (no Poisson sampling) so the client uses exactly its data.
+  (SPEAR App. E.6). Batches are fixed (no Poisson sampling) so the client uses exactly its data.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -58,7 +59,7 @@ class LocalTrainingResult:
             ``noise_multiplier == 0`` (clipping alone gives no DP guarantee). ``None`` otherwise.
         delta: DP-SGD only: the delta ``epsilon`` is quoted for.
         noise_std: DP-SGD only: std of the Gaussian noise on the *averaged* gradient of one step,
-            ``noise_multiplier * max_grad_norm / batch_size`` (the scale SPEC §6 quotes).
+            ``noise_multiplier * max_grad_norm / batch_size`` (the scale the papers quote).
     """
 
     state_dict: dict[str, Tensor]
@@ -72,8 +73,8 @@ class LocalTrainingResult:
 def noise_multiplier_for_std(std: float, max_grad_norm: float, batch_size: int) -> float:
     """Noise multiplier giving Gaussian noise of absolute std ``std`` on the averaged gradient.
 
-    SPEC §6 (and SPEAR) quote DP noise as the absolute std on the (mean) gradient, whereas Opacus
-    takes a multiplier of the clipping norm on the *summed* gradient:
+    The papers (SPEAR App. E.6) quote DP noise as the absolute std on the (mean) gradient,
+    whereas Opacus takes a multiplier of the clipping norm on the *summed* gradient:
     ``std = noise_multiplier * max_grad_norm / batch_size``.
     """
     if not math.isfinite(std) or std < 0:
@@ -274,7 +275,7 @@ def _dpsgd(
     """Per-sample DP-SGD with Opacus' own GradSampleModule, DPOptimizer and RDP accountant.
 
     Opacus' ``PrivacyEngine.make_private`` is not used because it wants a DataLoader and swaps in
-    Poisson sampling; the client here must train on exactly its batch (SPEC §6), so the three
+    Poisson sampling; the client here must train on exactly its batch, so the three
     pieces ``make_private`` assembles are assembled directly (``secure_mode=False``, seeded noise).
 
     Warnings silenced (all expected here, none signals a problem with this use):
@@ -324,22 +325,29 @@ def _dpsgd(
         optimizer.zero_grad(set_to_none=True)
         gsm.remove_hooks()
 
+    return LocalTrainingResult(
+        state_dict=_finite_state(local),
+        num_examples=n,
+        steps=steps,
+        epsilon=_epsilon(accountant, noise_multiplier, delta),
+        delta=delta,
+        noise_std=noise_multiplier * max_grad_norm / eff_batch,
+    )
+
+
+def _epsilon(accountant: Any, noise_multiplier: float, delta: float) -> float:
+    """The ε spent for ``delta`` (inf without noise: clipping alone guarantees nothing)."""
     if noise_multiplier == 0:
-        epsilon = math.inf
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
-            epsilon = float(accountant.get_epsilon(delta=delta, alphas=_RDP_ALPHAS))
-    # The wrapped module's parameters are the local model's parameters (Opacus wraps in place).
+        return math.inf
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
+        return float(accountant.get_epsilon(delta=delta, alphas=_RDP_ALPHAS))
+
+
+def _finite_state(local: nn.Module) -> dict[str, Tensor]:
+    """The trained weights (Opacus wraps the module in place), checked for NaN/Inf."""
     state = _state(local)
     for k, v in state.items():
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"DP-SGD produced non-finite weights in {k!r} (lr too large?)")
-    return LocalTrainingResult(
-        state_dict=state,
-        num_examples=n,
-        steps=steps,
-        epsilon=epsilon,
-        delta=delta,
-        noise_std=noise_multiplier * max_grad_norm / eff_batch,
-    )
+    return state

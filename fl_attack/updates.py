@@ -1,6 +1,6 @@
 """Server side: turn the weights a client sends back into the pair the attack inverts.
 
-SPEC §7: for a linear layer followed by a ReLU, a FedSGD or FedAvg weight delta has the same
+SPEAR App. F: for a linear layer followed by a ReLU, a FedSGD or FedAvg weight delta has the same
 low-rank structure as the gradient, ``W0 - W_E = lr * sum_e (dL/dZ_e) X^T`` and
 ``b0 - b_E = lr * sum_e (dL/dZ_e) 1``. The learning rate is a common scale that cancels in the
 attack's scale fix, so the server can attack ``(W0 - W_E, b0 - b_E)`` exactly like a gradient,
@@ -85,19 +85,7 @@ def weight_update_pair(
             not ``(m, d)`` weight + ``(m,)`` bias, a value is non-finite, or the update is
             identically zero (the client sent back the global model unchanged).
     """
-    if weight_key is None:
-        if bias_key is not None:
-            raise ValueError("bias_key given without weight_key")
-        pairs = layer_keys(global_state)
-        if not pairs:
-            raise ValueError(
-                "global_state has no linear layer (2-d '...weight' with a matching '...bias'); "
-                f"keys: {list(global_state)}"
-            )
-        weight_key, bias_key = pairs[0]
-    elif bias_key is None:
-        bias_key = _bias_key_for(weight_key)
-
+    weight_key, bias_key = _resolve_keys(global_state, weight_key, bias_key)
     for name, state in (("global_state", global_state), ("new_state", new_state)):
         for key in (weight_key, bias_key):
             if key not in state:
@@ -131,6 +119,28 @@ def weight_update_pair(
 
     dw = w0 - w1
     db = b0 - b1
+    _check_nonzero(dw, db, weight_key, bias_key)
+    return dw, db, w0, b0
+
+
+def _resolve_keys(global_state: Mapping[str, ArrayLike], weight_key: str | None,
+                  bias_key: str | None) -> tuple[str, str]:
+    """The layer's (weight, bias) keys: given, or the first linear layer of the state."""
+    if weight_key is None:
+        if bias_key is not None:
+            raise ValueError("bias_key given without weight_key")
+        pairs = layer_keys(global_state)
+        if not pairs:
+            raise ValueError(
+                "global_state has no linear layer (2-d '...weight' with a matching '...bias'); "
+                f"keys: {list(global_state)}"
+            )
+        return pairs[0]
+    return weight_key, bias_key if bias_key is not None else _bias_key_for(weight_key)
+
+
+def _check_nonzero(dw: Tensor, db: Tensor, weight_key: str, bias_key: str) -> None:
+    """Errors for an update that carries nothing to invert."""
     if not bool(dw.any()):
         if not bool(db.any()):
             raise ValueError(
@@ -141,4 +151,3 @@ def weight_update_pair(
             f"weight update of {weight_key!r} is identically zero (only the bias changed): "
             "there is nothing to invert"
         )
-    return dw, db, w0, b0

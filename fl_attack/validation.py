@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from fl_attack.config import AttackConfig
 
 
 def as_tensor(value: Any, name: str, *, ndim: int, device: torch.device) -> torch.Tensor:
@@ -79,3 +82,71 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
+
+
+def check_next_layer(G: torch.Tensor, G2: torch.Tensor, W: torch.Tensor | None,
+                      cfg: AttackConfig) -> None:
+    """Errors for a ``next_weight_grad`` that cannot belong to this layer or this attack."""
+    if G2.shape[1] != G.shape[0]:
+        raise ValueError(f"next_weight_grad has shape {tuple(G2.shape)}: the next layer takes "
+                         f"this layer's {G.shape[0]} outputs, so it must be (k, {G.shape[0]})")
+    if W is None:
+        raise ValueError("next_weight_grad needs weight and bias (the samples are solved from "
+                         "W x + b)")
+    if cfg.sparse != "output":
+        raise ValueError(f"next_weight_grad applies to sparse='output' only, got {cfg.sparse!r}")
+    if cfg.update == "fedavg":
+        raise ValueError("next_weight_grad needs a single-step gradient: a FedAvg update's "
+                         "next layer mixes each sample's activations from several steps")
+    if not G2.abs().max() > 0:
+        raise ValueError("next_weight_grad is identically zero")
+
+
+@dataclass(frozen=True)
+class LayerUpdate:
+    """One linear layer's update, validated: what every side of the attack inverts.
+
+    Tensors are float64 on ``device``; ``precision`` is the coarsest precision they were given
+    in (it sets the numerical tolerances, ``fl_attack.tolerances``).
+    """
+
+    weight_grad: torch.Tensor
+    """(m, n) ∂L/∂W, or W₀ - W_E."""
+    bias_grad: torch.Tensor
+    """(m,) ∂L/∂b, or b₀ - b_E."""
+    weight: torch.Tensor | None
+    """(m, n) the layer's weight the client started from (None: no certificate)."""
+    bias: torch.Tensor | None
+    """(m,) its bias."""
+    next_weight_grad: torch.Tensor | None
+    """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.peel``)."""
+    precision: torch.dtype
+    device: torch.device
+
+
+def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
+               next_weight_grad: Any, device: str | torch.device | None,
+               cfg: AttackConfig) -> LayerUpdate:
+    """Check the arguments of ``fl_attack.invert`` and convert them to a :class:`LayerUpdate`.
+
+    Raises
+    ------
+    TypeError
+        An argument that is not a real torch tensor or numpy array.
+    ValueError
+        Wrong shapes, non-finite or all-zero gradients, weight without bias, an unknown
+        device, or a ``next_weight_grad`` that cannot belong to this layer or attack.
+    """
+    dev = resolve_device(device)
+    precision = input_precision(weight_grad, bias_grad)
+    G = as_tensor(weight_grad, "weight_grad", ndim=2, device=dev)
+    g = as_tensor(bias_grad, "bias_grad", ndim=1, device=dev)
+    W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
+    b = as_tensor(bias, "bias", ndim=1, device=dev) if bias is not None else None
+    check_layer(G, g, W, b)
+    G2 = None
+    if next_weight_grad is not None:
+        G2 = as_tensor(next_weight_grad, "next_weight_grad", ndim=2, device=dev)
+        check_next_layer(G, G2, W, cfg)
+    return LayerUpdate(weight_grad=G, bias_grad=g, weight=W, bias=b, next_weight_grad=G2,
+                       precision=precision, device=dev)

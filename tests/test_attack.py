@@ -139,7 +139,7 @@ def test_partial_reconstruction_when_search_is_starved() -> None:
 @pytest.mark.parametrize("dataset", ["photos32", "mnist"])
 def test_slice_sampling_completes_a_starved_search(dataset: str) -> None:
     """The same starved search (it finds no column) plus sampling of the samples' slice
-    (``refine.sample_missing``, from W and b): the whole batch, certified and every sample
+    (``completion.sample_missing``, from W and b): the whole batch, certified and every sample
     above 90 dB."""
     x, G, g, W, b = _batch(dataset, 20, 200, 0)
     rec = fl_attack.invert(G, g, weight=W, bias=b, seed=0, n_init=2, max_rounds=1, steps=50)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import data, metrics, models, select, simulate, updates
+from fl_attack import data, match, metrics, models, simulate, updates
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,8 +49,8 @@ def test_subset_match_counts_only_unexplained_zeros() -> None:
     matches; the single-step test needs both directions."""
     Z = torch.tensor([[-1.0], [-1.0], [2.0], [2.0]])
     Dzero = torch.tensor([[True], [False], [True], [False]])
-    assert select._matches(Z, Dzero).squeeze(1).tolist() == [True, False, False, True]
-    assert select._matches(Z, Dzero, subset=True).squeeze(1).tolist() == [True, True, False, True]
+    assert match.matches(Z, Dzero).squeeze(1).tolist() == [True, False, False, True]
+    assert match.matches(Z, Dzero, subset=True).squeeze(1).tolist() == [True, True, False, True]
 
 
 def test_five_full_batch_local_steps_are_certified_with_update_fedavg() -> None:

@@ -171,10 +171,10 @@ def test_auto_ranks_the_sides_by_their_inputs_not_their_lambda() -> None:
     with 17 of 20 inputs right. Each side's λ comes from its own factorisation, so the rule
     scores both by ``side_score`` on the same footing and must return the input side whatever
     the two λ say; a certified side wins; ties go to the output side."""
-    from fl_attack.attack import tolerances
     from fl_attack.config import AttackConfig
     from fl_attack.decompose import decompose
     from fl_attack.input_layer import better_side, side_score
+    from fl_attack.tolerances import tolerances
 
     G, g, W, b, X = _layer_problem("photos32", 20, 1, 0)
     dec = decompose(G.double(), floor_rtol=1e-6)

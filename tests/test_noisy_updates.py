@@ -79,10 +79,11 @@ def test_a_noisy_update_is_never_marked_exact() -> None:
 def test_the_certificate_refuses_a_noisy_selection_even_at_lambda_one() -> None:
     """The two halves of the rule behind ``exact``, each on a constructed input: a real DP-SGD
     update (noise at 0.03 x the median, as above) is classified noisy and its clipping-only
-    twin is not (``attack.noisy_update``), and a selection with λ = 1 and all B directions is
-    certified only without noise (``attack.certified``, used by both sides)."""
-    from fl_attack.attack import certified, noisy_update
+    twin is not (``tolerances.noisy_update``), and a selection with λ = 1 and all B directions is
+    certified only without noise (``result.certified``, used by both sides)."""
     from fl_attack.decompose import decompose
+    from fl_attack.result import certified
+    from fl_attack.tolerances import noisy_update
 
     _, dW, _, _, _, _ = _dp_update(seed=4, noise_frac=0.03, B=20, lr=0.01, epochs=5)
     _, clean, _, _, _, _ = _dp_update(seed=4, noise_frac=0.0, B=20, lr=0.01, epochs=5)

@@ -14,20 +14,28 @@ import torch
 import torch.nn.functional as F
 
 from fl_attack import (
-    attack,
+    certify,
     clock,
+    columns,
+    completion,
     config,
     data,
+    faces,
     feasibility,
     filtering,
+    kernels,
+    match,
     models,
     polish,
-    refine,
     search,
     select,
 )
+from fl_attack.clock import Clock
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import make_system
+from fl_attack.state import SearchState, search_context
+from fl_attack.tolerances import tolerances
+from fl_attack.tuning import TUNING
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,14 +77,13 @@ def _hits(Qt: torch.Tensor, Q: torch.Tensor, tol: float = 1e-6) -> set[int]:
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_complete_missing_recovers_dropped_columns(k: int) -> None:
     """With B - k true columns known, the k missing ones follow from W, b and the bias
-    gradient alone (refine.complete_missing): every dropped column is among the candidates."""
+    gradient alone (completion.complete_missing): every dropped column is among the candidates."""
     t = _truth(20, 200, seed=1)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(k)
     drop = torch.randperm(20, generator=gen)[:k].tolist()
     keep = [i for i in range(20) if i not in drop]
-    Qc = refine.complete_missing(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep], system.t,
-                                 zero_rtol=1e-4)
+    Qc = completion.complete_missing(system, t["Qt"][:, keep])
     assert set(drop) <= _hits(t["Qt"], Qc), (drop, sorted(_hits(t["Qt"], Qc)))
     assert Qc.shape[1] <= 4 * 200 * 200  # candidates, not the whole sphere
 
@@ -87,8 +94,7 @@ def test_complete_missing_needs_the_right_scale_slice() -> None:
     t = _truth(20, 200, seed=1)
     system = make_system(t["L"], t["R"], -t["g"], t["W"], t["b"], 1e-4)
     keep = list(range(1, 20))
-    Qc = refine.complete_missing(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep], system.t,
-                                 zero_rtol=1e-4)
+    Qc = completion.complete_missing(system, t["Qt"][:, keep])
     assert 0 not in _hits(t["Qt"], Qc)
 
 
@@ -103,8 +109,8 @@ def test_sample_missing_recovers_many_dropped_columns() -> None:
     gen = torch.Generator().manual_seed(0)
     drop = torch.randperm(30, generator=gen)[:8].tolist()
     keep = [i for i in range(30) if i not in drop]
-    Qc = refine.sample_missing(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep], system.t,
-                               zero_rtol=1e-4, generator=gen, n_samples=1024)
+    Qc = completion.sample_missing(system, t["Qt"][:, keep], generator=gen,
+                                   n_samples=1024)
     hits = _hits(t["Qt"], Qc)
     assert len(set(drop) & hits) >= 4, (drop, sorted(hits))
 
@@ -119,22 +125,21 @@ def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chun
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(0)
     keep = torch.randperm(B, generator=gen)[: B - B // 3]
-    offset, Aw, dist = refine._missing_slice(t["L"], t["R"], t["W"], t["b"], t["Qt"][:, keep],
-                                             system.t)
+    offset, Aw, dist = completion.missing_slice(system, t["Qt"][:, keep])
     w = torch.randn(512, Aw.shape[1], generator=gen, dtype=torch.float64) * dist
     h = offset[:, None] + Aw @ w.T
-    idx, lengths = refine.slice_row_sets(h, B, (0.6, 0.75))
+    idx, lengths = completion.slice_row_sets(h, B, (0.6, 0.75))
     assert bool((lengths[1:] >= lengths[:-1]).all()) and bool((lengths[0] <= B).all())
     with pytest.raises(ValueError, match="non-decreasing"):  # the sets would not be nested
-        refine.slice_row_sets(h, B, (0.75, 0.6))
-    new = refine.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk)
+        completion.slice_row_sets(h, B, (0.75, 0.6))
+    new = completion.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk)
     ranks = torch.arange(idx.shape[0])[:, None]
     old = []
     for r in range(lengths.shape[0]):
         use = lengths[r] >= B - 1
         rows = torch.where(ranks < lengths[r, use][None], idx[:, use], m)
         mask = torch.zeros(m + 1, int(use.sum()), dtype=torch.bool).scatter_(0, rows, True)[:m]
-        old.append(refine.pattern_kernels(t["L"], torch.unique(mask, dim=1), 1e-4))
+        old.append(kernels.pattern_kernels(t["L"], torch.unique(mask, dim=1), 1e-4))
     old = torch.cat(old, dim=1)
     assert new.shape[1] == old.shape[1] > 0
     cos = (old.T @ new).abs()
@@ -148,7 +153,7 @@ def _similar_pair(t: dict[str, torch.Tensor], B: int) -> tuple[torch.Tensor, int
     """Unit true columns, the two samples with the most shared zero rows (i, j) and their
     normalised mixture: the column a search on similar samples stalls at."""
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
-    zero = filtering.zero_mask(t["L"] @ Qt, 1e-4).double()
+    zero = columns.zero_mask(t["L"] @ Qt, 1e-4).double()
     shared = zero.T @ zero
     shared.fill_diagonal_(0)
     i, j = divmod(int(shared.argmax()), B)
@@ -207,7 +212,7 @@ def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
     hits = _hits(t["Qt"], Q, tol=1e-9)
     assert len(hits) >= 18, sorted(hits)
     true_zeros = (t["D"] == 0).sum(dim=0)
-    zeros = filtering.zero_mask(t["L"] @ Q, 1e-4).sum(dim=0)
+    zeros = columns.zero_mask(t["L"] @ Q, 1e-4).sum(dim=0)
     for i in hits:
         assert int(zeros[i]) >= int(true_zeros[i])
 
@@ -265,9 +270,9 @@ def test_conditional_directions_stay_within_their_memory_blocks(
     column gets its seeds, and a passed deadline stops after the first block."""
     t = _truth(20, 200, seed=0)
     L, found = t["L"], t["Qt"] / t["Qt"].norm(dim=0)
-    zeros = filtering.zero_mask(L @ found, 1e-4).sum(dim=0)
+    zeros = columns.zero_mask(L @ found, 1e-4).sum(dim=0)
     blocks: list[tuple[int, int]] = []
-    block = refine._conditional_block
+    block = faces._conditional_block
 
     def spy(Lz: torch.Tensor, cols: torch.Tensor, **kw) -> torch.Tensor:
         blocks.append((cols.shape[1], Lz.numel()))
@@ -277,21 +282,21 @@ def test_conditional_directions_stay_within_their_memory_blocks(
         assert Lz.shape[1] == int(zeros[first:first + cols.shape[1]].max())
         return block(Lz, cols, **kw)
 
-    monkeypatch.setattr(refine, "_conditional_block", spy)
+    monkeypatch.setattr(faces, "_conditional_block", spy)
     kw = {"zero_rtol": 1e-4, "n_init": 4, "steps": 20}
-    one = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+    one = faces.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         **kw)
     assert [n for n, _ in blocks] == [20] and one.shape == (20, 80)
     blocks.clear()
     chunk = 3 * int(zeros.max()) * 20
-    out = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+    out = faces.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         chunk_elems=chunk, **kw)
     assert len(blocks) >= 7 and all(elems <= chunk for _, elems in blocks)
     assert sum(n for n, _ in blocks) == 20 and out.shape == (20, 80)
     assert torch.allclose(out.norm(dim=0), torch.ones(80, dtype=out.dtype))
     n_first = blocks[0][0]
     blocks.clear()
-    cut = refine.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
+    cut = faces.conditional_directions(L, found, generator=torch.Generator().manual_seed(0),
                                         chunk_elems=chunk, deadline=0.0, **kw)
     assert len(blocks) == 1 and cut.shape == (20, 4 * n_first)
 
@@ -314,12 +319,13 @@ def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
     Q = torch.cat([wrong, Qt[:, 2:]], dim=1)
     junk = torch.randn(20, 6, generator=gen, dtype=torch.float64)
     spare = torch.cat([junk, Qt[:, :2]], dim=1)
-    before = select.sparsity_match(Q, system)
+    before = match.sparsity_match(Q, system)
     assert before is not None and before.value < 1.0
-    fixed, match, swaps = select.greedy_swaps(Q, spare, system)
-    assert match is not None and match.value == 1.0 and swaps == 2
+    fixed, got, swaps = select.swap_greedily(Q, spare, select.OutputSwaps(system, Q, spare))
+    assert got is not None and got.value == 1.0 and swaps == 2
     assert _hits(Qt, fixed) == set(range(20))
-    kept, late, none = select.greedy_swaps(Q, spare, system, deadline=0.0)
+    kept, late, none = select.swap_greedily(Q, spare, select.OutputSwaps(system, Q, spare),
+                                            deadline=0.0)
     assert none == 0 and torch.equal(kept, Q)
     assert late is not None and late.value == before.value
 
@@ -344,21 +350,21 @@ def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
     D[i, a] = 1e-7 * top[0, a]  # surely active (its largest pre-activation), gradient ~ 0
     dec = decompose(D @ X, floor_rtol=1e-13)
     system = make_system(dec.L, dec.R, D.sum(dim=1), t["W"], t["b"], 1e-4, z_band=1e-5)
-    Qt = filtering.normalize_columns(dec.L.T @ D)
-    match = select.sparsity_match(Qt, system)
-    assert match is not None and match.value == 1.0 and match.chance_zeros == 1
+    Qt = columns.normalize_columns(dec.L.T @ D)
+    truth = match.sparsity_match(Qt, system)
+    assert truth is not None and truth.value == 1.0 and truth.chance_zeros == 1
     share = (D == 0).double()
     share = share.T @ share
     share.fill_diagonal_(-1)
     for c in range(3):  # column c mixed with the sample sharing most of its zero rows
         Q = Qt.clone()
         Q[:, c] = Qt[:, c] + 0.1 * Qt[:, int(share[c].argmax())]
-        wrong = select.sparsity_match(Q, system)
+        wrong = match.sparsity_match(Q, system)
         assert wrong is not None and wrong.value < 0.999 and wrong.chance_zeros == 0
 
 
 def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
-    """The final repair (``_Search._repair``) replaces the mismatching columns of a full basis by
+    """The final repair (``certify.repair``) replaces the mismatching columns of a full basis by
     the exact completion's candidates without the leverage cut of the search: a true column
     can have a zero row of leverage above ``max_leverage`` (a sample whose zero rows nearly all
     belong to another's: measured 0.9925 at (30, 200) batch 3). Built directly: the true
@@ -368,21 +374,21 @@ def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
     t = _truth(30, 200, seed=3)
     probe = config.AttackConfig()
     dec = decompose(t["G"], floor_rtol=1e-6)
-    zero_rtol, z_band = attack.tolerances(dec, probe, torch.float32)
+    zero_rtol, z_band = tolerances(dec, probe, torch.float32)
     system = make_system(dec.L, dec.R, t["g"], t["W"], t["b"], zero_rtol, z_band)
-    Qt = filtering.normalize_columns(dec.L.T @ t["D"])
-    lev = polish.max_leverage(dec.L, Qt, filtering.zero_mask(dec.L @ Qt, zero_rtol))
+    Qt = columns.normalize_columns(dec.L.T @ t["D"])
+    lev = polish.max_leverage(dec.L, Qt, columns.zero_mask(dec.L @ Qt, zero_rtol))
     j = int(lev.argmax())
     k = (j + 1) % 30
     cfg = config.AttackConfig(max_leverage=float(lev[j]) - 1e-4)
     Q = Qt.clone()
-    Q[:, j] = filtering.normalize_columns(Qt[:, j:j + 1] + 0.3 * Qt[:, k:k + 1])[:, 0]
-    run = attack._Search(cfg, dec, system, torch.Generator().manual_seed(0),
-                         torch.device("cpu"), {}, time.perf_counter())
-    run.match = select.sparsity_match(Q, system)
-    assert run.match is not None and run.match.value < 1.0
-    fixed = run._repair(Q)
-    assert run.match.value == 1.0 and _hits(Qt, fixed) == set(range(30))
+    Q[:, j] = columns.normalize_columns(Qt[:, j:j + 1] + 0.3 * Qt[:, k:k + 1])[:, 0]
+    ctx = search_context(cfg, dec, system, torch.Generator().manual_seed(0),
+                         torch.device("cpu"), Clock(None))
+    state = SearchState(match=match.sparsity_match(Q, system))
+    assert state.match is not None and state.match.value < 1.0
+    fixed = certify.repair(ctx, state, Q)
+    assert state.match.value == 1.0 and _hits(Qt, fixed) == set(range(30))
 
 
 def test_chance_zero_allowance_is_a_poisson_quantile() -> None:
@@ -392,8 +398,8 @@ def test_chance_zero_allowance_is_a_poisson_quantile() -> None:
     for n_band, ratio in ((0, 1 / 99), (17, 1 / 99), (98, 1 / 99), (500, 1 / 99),
                           (300_000, 1 / 99)):
         mu = (n_band + 1) * ratio
-        assert select.chance_zero_allowance(n_band, ratio) == int(
-            poisson.ppf(1 - select.CHANCE_TAIL, mu))
+        assert match.chance_zero_allowance(n_band, ratio) == int(
+            poisson.ppf(1 - match.CHANCE_TAIL, mu))
 
 
 def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
@@ -405,7 +411,7 @@ def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
     Q = torch.randn(12, 9, generator=gen, dtype=torch.float64)
     Q = Q / Q.norm(dim=0)
     seen = torch.zeros(9, dtype=torch.long)
-    for cols, gram in polish.masked_grams(L, mask, chunk_elems=12 * 300):  # several chunks
+    for cols, gram in kernels.masked_grams(L, mask, chunk_elems=12 * 300):  # several chunks
         for c, G in zip(cols.tolist(), gram, strict=True):
             seen[c] += 1
             ref = L.T @ (L * mask[:, c, None].double())
@@ -435,9 +441,9 @@ def test_masked_kernels_match_full_eigendecompositions() -> None:
                    torch.randn(20, 10, generator=gen, dtype=L.dtype)], dim=1)
     Q = Q / Q.norm(dim=0)
     eig_tol = mask.sum(dim=0).to(L.dtype) * 1e-14 / L.shape[0]
-    vals, vecs = polish.masked_gram_eigh(L, mask)
-    P_ref, k_ref = polish.project_to_kernel(Q, vals, vecs, eig_tol)
-    P, k = polish.masked_kernels(L, mask, Q, eig_tol)
+    vals, vecs = kernels.masked_gram_eigh(L, mask)
+    P_ref, k_ref = kernels.project_to_kernel(Q, vals, vecs, eig_tol)
+    P, k = kernels.masked_kernels(L, mask, Q, eig_tol)
     assert k.tolist() == k_ref.tolist()
     assert set(k[:20].tolist()) == {1} and int((k[20:30] >= 2).sum()) >= 8
     assert _hits(Qt, P[:, :20], tol=1e-12) == set(range(20))  # the exact true columns
@@ -463,7 +469,7 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     ratio = measured / filtering.noise_scales(Qt, row_noise)
     assert 0.9 < float(ratio.median()) < 1.1 and 0.7 < float(ratio.min())
     assert float(ratio.max()) < 1.4
-    trust = attack.NOISY_TRUST * filtering.min_zero_count(200, 1e-5)
+    trust = TUNING.noisy_trust * filtering.min_zero_count(200, 1e-5)
     score = filtering.noisy_sparsity(V, filtering.noise_scales(Qt, row_noise))
     assert bool((score >= trust).all())
     Qr = torch.randn(20, 500, generator=gen, dtype=G.dtype)
@@ -491,17 +497,17 @@ def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
     B, m = 40, 1000
     t, dec, row_noise, gen = _noisy_truth(B, m)
     assert dec.batch_size == B
-    zero_rtol, _ = attack.tolerances(dec, config.AttackConfig(), torch.float32)
+    zero_rtol, _ = tolerances(dec, config.AttackConfig(), torch.float32)
     Qt = dec.L.T @ t["D"]
     zero = t["D"] == 0  # (m, B) each sample's true zero rows
     faces = zero[:, : B // 2] & zero[:, B // 2:]  # rows two samples share: 2-d kernels
     rand = torch.rand(m, 100, generator=gen) < 0.5
-    clean = refine.pattern_kernels(dec.L, zero, zero_rtol)
-    noisy = refine.pattern_kernels(dec.L, zero, zero_rtol, row_noise=row_noise)
+    clean = kernels.pattern_kernels(dec.L, zero, zero_rtol)
+    noisy = kernels.pattern_kernels(dec.L, zero, zero_rtol, row_noise=row_noise)
     assert len(_hits(Qt, clean, tol=1e-3)) < B  # not vacuous: the float tolerance misses some
     assert noisy.shape[1] == B and _hits(Qt, noisy, tol=1e-3) == set(range(B))
-    assert refine.pattern_kernels(dec.L, faces, zero_rtol, row_noise=row_noise).shape[1] == 0
-    assert refine.pattern_kernels(dec.L, rand, zero_rtol, row_noise=row_noise).shape[1] == 0
+    assert kernels.pattern_kernels(dec.L, faces, zero_rtol, row_noise=row_noise).shape[1] == 0
+    assert kernels.pattern_kernels(dec.L, rand, zero_rtol, row_noise=row_noise).shape[1] == 0
 
 
 def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -> None:
@@ -510,16 +516,16 @@ def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -
     true directions; random directions, which have no zero rows to fit, stay far from sparse."""
     B, m = 40, 1000
     t, dec, row_noise, gen = _noisy_truth(B, m)
-    Qt = filtering.normalize_columns(dec.L.T @ t["D"])
-    off = filtering.normalize_columns(Qt + 3e-3 * torch.randn(Qt.shape, generator=gen,
+    Qt = columns.normalize_columns(dec.L.T @ t["D"])
+    off = columns.normalize_columns(Qt + 3e-3 * torch.randn(Qt.shape, generator=gen,
                                                               dtype=Qt.dtype))
     Qr = torch.randn(B, 10, generator=gen, dtype=Qt.dtype)
-    Qr = filtering.normalize_columns(Qr)
+    Qr = columns.normalize_columns(Qr)
     out = polish.noisy_refit(dec.L, torch.cat([off, Qr], dim=1), row_noise)
     err_before = 1 - (off * Qt).sum(dim=0).abs()
     err_after = 1 - (out[:, :B] * Qt).sum(dim=0).abs()
     assert float(err_after.median()) < 0.2 * float(err_before.median())
     assert bool(((out[:, :B] * off).sum(dim=0) > 0).all())  # signs kept
     score = filtering.noisy_sparsity(dec.L @ out, filtering.noise_scales(out, row_noise))
-    trust = attack.NOISY_TRUST * filtering.min_zero_count(m, 1e-5)
+    trust = TUNING.noisy_trust * filtering.min_zero_count(m, 1e-5)
     assert bool((score[:B] >= trust).all()) and int(score[B:].max()) < 0.5 * trust

@@ -1,0 +1,198 @@
+"""The output side of the attack (∂L/∂Z sparse, any layer followed by a ReLU), level by level.
+
+One level decomposes the gradient (SPEAR §3.1, SPEAR++ §4.1), builds the search's context and
+runs the search loop (:mod:`fl_attack.loop`). With the next layer's gradient, verified samples
+are peeled off (:mod:`fl_attack.peel`, beyond the papers) and the smaller batch that is left
+is solved the same way, starting from the upper level's candidates: the levels below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack import loop, peel
+from fl_attack.clock import Clock
+from fl_attack.columns import normalize_columns
+from fl_attack.config import AttackConfig
+from fl_attack.decompose import Decomposition, decompose
+from fl_attack.match import sparsity_match
+from fl_attack.pool import CandidatePool
+from fl_attack.result import Reconstruction, build_reconstruction
+from fl_attack.scale import make_system, reconstruct
+from fl_attack.state import SearchContext, SearchState, search_context
+from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.validation import LayerUpdate
+
+
+def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
+                  clock: Clock) -> Reconstruction:
+    """``sparse="output"``: recover the layer's inputs from the sparse columns of ∂L/∂Z.
+
+    Parameters
+    ----------
+    layer
+        The validated update (``validation.load_layer``).
+    cfg
+        The attack's options.
+    seed
+        Seeds the search's random generator.
+    clock
+        The call's budget and timings.
+
+    Returns
+    -------
+    Reconstruction
+        ``inputs`` (B, n); certified (``exact``) when λ = 1 with all B directions and no noise.
+
+    Raises
+    ------
+    ValueError
+        When the gradient's rank does not identify a batch (``decompose.decompose``).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    found = solve(layer.weight_grad, layer.bias_grad, layer, cfg, generator, clock)
+    ctx, state = found.ctx, found.state
+    if found.peeled:  # the columns of every level, in this level's coordinates
+        Q = normalize_columns(ctx.L.T @ found.columns)
+        state.match = sparsity_match(Q, ctx.system)
+    else:
+        Q = found.Q
+    t0 = time.perf_counter()
+    X, s = reconstruct(Q, ctx.system)
+    clock.tick("reconstruct", t0)
+    lam = state.match
+    return build_reconstruction(
+        X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
+        sparsity_match=lam.value if lam is not None else None,
+        per_column=lam.per_column if lam is not None else None,
+        units=layer.weight_grad.shape[0],
+        chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
+        noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
+        n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
+        peeled=found.peeled,
+    )
+
+
+@dataclass
+class _Found:
+    """The columns of one level of the search, with the levels peeled below it."""
+
+    ctx: SearchContext
+    state: SearchState
+    Q: torch.Tensor
+    """(B, B) this level's selected columns (without peeling)."""
+    n_found: int
+    columns: torch.Tensor | None = None
+    """(m, B) every level's columns as ∂L/∂Z directions, when samples were peeled."""
+    peeled: int = 0
+    rounds: int = 0
+    n_candidates: int = 0
+    swaps: int = 0
+    exhausted: bool = False
+
+
+def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
+          generator: torch.Generator, clock: Clock, *, rows2: torch.Tensor | None = None,
+          dec: Decomposition | None = None, seeds: torch.Tensor | None = None) -> _Found:
+    """Search the columns of (G, g); with the next layer, peel the verified samples off and
+    solve the smaller batch that is left the same way (recursively).
+
+    Parameters
+    ----------
+    G : (m, n), g : (m,)
+        This level's gradient (the layer's, less the samples peeled above).
+    layer
+        The layer (weight, bias, next layer's gradient, precision, device).
+    rows2 : (B, m), optional
+        The next layer's activation span (computed at the first level).
+    dec
+        This level's decomposition, when the level above derived it (``peel.reduced``).
+    seeds : (m, P), optional
+        The upper level's candidates as ∂L/∂Z directions; those in this level's column space
+        start its pool.
+    """
+    t0 = time.perf_counter()
+    if dec is None:
+        dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
+                        floor_rtol=rank_floor(layer.precision))
+    clock.tick("decompose", t0)
+    zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
+    system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
+                         subset=cfg.update == "fedavg")
+    ctx = search_context(cfg, dec, system, generator, layer.device, clock)
+    state, pool = SearchState(), CandidatePool(ctx)
+    B = dec.batch_size
+    rows2 = _next_layer(ctx, state, layer, rows2)
+    if seeds is not None and B > 1:
+        pool.seed(seeds)
+    if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
+        Q = torch.ones(1, 1, dtype=torch.float64, device=layer.device)
+        state.match = sparsity_match(Q, system)
+        return _Found(ctx, state, Q, 1)
+    while True:
+        Q, n_found = loop.search(ctx, state, pool)
+        here = _Found(ctx, state, Q, n_found, rounds=state.rounds, n_candidates=len(pool),
+                      swaps=state.swaps, exhausted=state.exhausted)
+        peeled, state.peeled = state.peeled, None
+        if peeled is None:
+            return here
+        t0 = time.perf_counter()
+        F = int(peeled.verified.sum())
+        Gr, gr = peel.peel_off(G, g, dec.L, peeled)
+        sub_dec = peel.reduced(dec, peeled) if F < B else None
+        clock.tick("peel", t0)
+        if F < B and sub_dec is None:
+            warnings.warn(f"peeling {F} samples did not leave a clean rank {B - F}: the search "
+                          "goes on without peeling", stacklevel=4)
+            state.peeler = None
+            continue
+        loop.progress(ctx, "%.1fs: peeled %d verified samples through the next layer, %d left",
+                      clock.elapsed(), F, B - F)
+        here.columns, here.peeled, here.n_found = dec.L @ peeled.columns, F, F
+        if sub_dec is not None:
+            sub_cfg = (cfg if cfg.batch_size is None
+                       else dataclasses.replace(cfg, batch_size=B - F))
+            sub = solve(Gr, gr, layer, sub_cfg, generator, clock, rows2=rows2, dec=sub_dec,
+                        seeds=dec.L.to(pool.columns) @ pool.columns)
+            _merge(here, sub)
+        return here
+
+
+def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
+                rows2: torch.Tensor | None) -> torch.Tensor | None:
+    """The next layer's activation span (computed once, at the first level) and the peeler
+    that uses it; nothing on noisy updates or without a next layer."""
+    B = ctx.B
+    if layer.next_weight_grad is not None and rows2 is None and not ctx.noisy and B > 1:
+        t0 = time.perf_counter()
+        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, rank_floor(layer.precision),
+                                     ctx.generator)
+        ctx.clock.tick("peel", t0)
+        if rows2 is None:
+            warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
+                          "are not peeled", stacklevel=5)
+    if rows2 is not None and not ctx.noisy:
+        dec, system, found_rows = ctx.dec, ctx.system, rows2
+        assert system.WR is not None and system.bias is not None
+        state.peeler = lambda cols, deadline: peel.recover(
+            cols, dec.L, dec.R, found_rows, system.WR, system.bias, zero_rtol=system.zero_rtol,
+            z_band=system.z_band, precision=layer.precision, deadline=deadline)
+    return rows2
+
+
+def _merge(here: _Found, sub: _Found) -> None:
+    """Add a lower level's columns and counters to this level's."""
+    assert here.columns is not None
+    sub_cols = sub.columns if sub.columns is not None else sub.ctx.L @ sub.Q
+    here.columns = torch.cat([here.columns, sub_cols], dim=1)
+    here.peeled += sub.peeled
+    here.n_found += sub.n_found
+    here.rounds += sub.rounds
+    here.n_candidates += sub.n_candidates
+    here.swaps += sub.swaps
+    here.exhausted = here.exhausted or sub.exhausted

@@ -1,0 +1,150 @@
+"""The search loop and its stop rule: rounds of search, completions after each, until B
+certified columns, the round cap or the time budget; then the final selection.
+
+Both sides of the attack run this loop (the input side with ``SearchContext.input_side``),
+and the output side's peeling levels run it once per level (:mod:`fl_attack.levels`).
+Progress goes to ``logging.getLogger("fl_attack")``: at INFO with ``AttackConfig.progress``,
+else at DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fl_attack import certify, rounds
+from fl_attack.certify import Assessment
+from fl_attack.clock import passed
+from fl_attack.columns import pattern_keys, zero_mask
+from fl_attack.pool import CandidatePool
+from fl_attack.state import SearchContext, SearchState
+
+log = logging.getLogger("fl_attack")
+
+
+def search(ctx: SearchContext, state: SearchState,
+           pool: CandidatePool) -> tuple[torch.Tensor, int]:
+    """Search until B directions with λ at the stop level, the round cap or the time budget.
+
+    SPEAR++ rounds (SPEAR++ §4) or SPEAR sampling steps (SPEAR §5.1), each followed by the
+    completions from the trusted columns (:func:`completions`). The loop stops when the
+    selection is done, the budget is spent, SPEAR's sample cap is reached, or (SPEAR++) a full
+    basis has not changed for ``Tuning.stale_rounds`` rounds (λ < 1 is then final). After
+    SPEAR++ round 1 the neighbour search runs once. With a peeler the loop returns early when
+    verified samples wait in ``state.peeled``.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search's context (read only), its state and pool, which the steps grow.
+
+    Returns
+    -------
+    (Q, count)
+        The basis (B, B) after the final selection (:func:`~fl_attack.certify.finish`), or the
+        current selection when samples were peeled, and how many columns came from the pool.
+    """
+    cfg = ctx.cfg
+    spear = cfg.method == "spear"
+    max_rounds = cfg.round_cap(ctx.B) if not spear else 1 << 62
+    state.completed = {}
+    if not spear and cfg.slice_first:
+        # complete from nothing (the empty pool selects no column): the slice of all B samples
+        now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
+        progress(ctx, "slice sampling before the search: %d/%d directions", now.count, ctx.B)
+        if now.done:
+            state.exhausted = ctx.clock.expired()
+            return certify.finish(ctx, state, pool)
+        if state.peeled is not None:
+            return now.Q, now.count
+    last, stale = None, 0
+    for _ in range(max_rounds):
+        state.rounds += 1
+        (rounds.spear_round if spear else rounds.spearpp_round)(ctx, state, pool)
+        now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
+        _log_round(ctx, state, pool, now)
+        if state.peeled is not None:
+            return now.Q, now.count
+        # a full basis whose pool no round changes any more: λ < 1 is final (not every true
+        # basis reaches 1: a sample with a tiny loss gradient has a column at the noise level)
+        key = (len(pool), now.count, state.match.value if state.match else None)
+        stale, last = (stale + 1 if key == last else 0), key
+        if (now.done or ctx.clock.expired() or (spear and state.samples >= cfg.max_samples)
+                or (not spear and now.count == ctx.B and stale >= ctx.tuning.stale_rounds)):
+            break
+        if (not spear and cfg.polish and state.rounds == 1 and len(pool)
+                and not ctx.clock.expired()):
+            rounds.neighbour_search(ctx, state, pool)
+    state.exhausted = ctx.clock.expired()
+    return certify.finish(ctx, state, pool)
+
+
+def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,
+                now: Assessment) -> Assessment:
+    """Complete from the trusted columns while each completion may enable the next.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; completions add to the pool, peeling sets ``state.peeled``.
+    now
+        The assessment after the last search step.
+
+    Returns
+    -------
+    Assessment
+        The assessment after the last completion. With a peeler, the trusted columns'
+        samples are then peeled (``state.peeled``), or earlier, once ``Tuning.peel_share``
+        of B new trusted columns is there (a tenth of B past ``Tuning.peel_time_share`` of the
+        budget).
+    """
+    tuning, clock, B = ctx.tuning, ctx.clock, ctx.B
+    while (not now.done and state.trusted is not None and not clock.expired()
+           and rounds.complete(ctx, state, pool, state.trusted)):
+        now = certify.assess(ctx, state, pool)
+        late = passed(clock.at(tuning.peel_time_share))
+        min_new = max(1, B // 10 if late else int(tuning.peel_share * B))
+        if not now.done and peel_found(ctx, state, min_new=min_new):
+            return now
+    if not now.done:
+        peel_found(ctx, state, deadline=clock.finish_deadline)
+    return now
+
+
+def peel_found(ctx: SearchContext, state: SearchState, min_new: int = 1,
+               deadline: float | None = None) -> bool:
+    """Recover the samples of the trusted columns not tried yet, when at least ``min_new``,
+    before ``deadline`` (by default the search's); True when some were verified (then in
+    ``state.peeled``, for the caller to peel off)."""
+    if state.peeler is None or state.trusted is None or ctx.clock.expired(deadline):
+        return False
+    keys = pattern_keys(zero_mask(ctx.L @ state.trusted, ctx.zero_rtol))
+    todo = [j for j, key in enumerate(keys) if key not in state.peel_tried]
+    if len(todo) < min_new:
+        return False
+    t0 = time.perf_counter()
+    state.peel_tried.update(keys[j] for j in todo)
+    peeled = state.peeler(state.trusted[:, todo],
+                          deadline if deadline is not None else ctx.clock.deadline)
+    ctx.clock.tick("peel", t0)
+    if not bool(peeled.verified.any()):
+        return False
+    state.peeled = peeled
+    return True
+
+
+def progress(ctx: SearchContext, msg: str, *args: object) -> None:
+    """Log a progress line: at INFO with ``AttackConfig.progress``, else at DEBUG."""
+    log.log(logging.INFO if ctx.cfg.progress else logging.DEBUG, msg, *args)
+
+
+def _log_round(ctx: SearchContext, state: SearchState, pool: CandidatePool,
+               now: Assessment) -> None:
+    if not log.isEnabledFor(logging.INFO if ctx.cfg.progress else logging.DEBUG):
+        return
+    lam = f"{state.match.value:.4f}" if state.match else "-"
+    trusted = state.trusted.shape[1] if state.trusted is not None else 0
+    progress(ctx, "%.1fs: round %d: %d candidates, %d/%d directions (%d trusted), λ=%s",
+              ctx.clock.elapsed(), state.rounds, len(pool), now.count, ctx.B, trusted, lam)

@@ -1,0 +1,181 @@
+"""What an attack returns: :class:`Reconstruction`, its certificate and the one builder both
+sides of the attack use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fl_attack.clock import Clock
+from fl_attack.config import AttackConfig
+
+
+@dataclass
+class Reconstruction:
+    """Result of an inversion. ``inputs`` rows are the layer's inputs, in arbitrary order."""
+
+    inputs: torch.Tensor
+    """(B, n) reconstructed inputs of the layer, float64 on the CPU."""
+    batch_size: int
+    """Detected (or given) batch size B."""
+    sparsity_match: float | None
+    """λ ∈ [0, 1]; None without ``weight`` and ``bias``. Active units whose ∂L/∂Z is
+    indistinguishable from zero count as matches when they are the only mismatches and no
+    more than chance explains (``chance_zeros``; ``match.sparsity_match``)."""
+    exact: bool
+    """True when λ = 1 with all B directions found and no noise detected: the reconstruction
+    is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
+    within a noise tolerance, and with ``update="fedavg"`` (which checks only that zero rows
+    are inactive units) a noisy update can reach λ = 1 without being exact; report PSNR."""
+    n_directions: int
+    """Directions found by the search; < B means a partial reconstruction, in which *no* sample
+    is guaranteed: every row of Q⁻¹ depends on all B columns."""
+    method: str
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+    rounds: int = 0
+    n_candidates: int = 0
+    swaps: int = 0
+    noise_std: float = 0.0
+    scales: torch.Tensor | None = None
+    """Per-sample scale of ∂L/∂Z columns (sign tells nothing; magnitude ~ per-sample loss grad)."""
+    column_match: torch.Tensor | None = None
+    """Per-sample sparsity match (fraction of the m entries whose patterns agree)."""
+    config: AttackConfig | None = None
+    chance_zeros: int = 0
+    """Entries counted as matches in λ although the paper's λ₊ term counts them as mismatches:
+    an active unit whose ∂L/∂Z passed the zero test (its ∂L/∂A is that small; the ReLU law
+    allows it). 0 when λ < 1."""
+    peeled: int = 0
+    """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
+    and taken off the gradient before the rest of the batch was searched (``fl_attack.peel``)."""
+    budget_exhausted: bool = False
+    """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
+    ended by its own stop rule, or before the final selection finished: the result is the best
+    selection found in the time given, and a larger budget may find more."""
+
+    @property
+    def partial(self) -> bool:
+        """True when fewer than B directions were found (the rest of Q̄ was completed)."""
+        return self.n_directions < self.batch_size
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe summary (no tensors) for logs and metric records."""
+        return {
+            "method": self.method,
+            "batch_size": self.batch_size,
+            "n_directions": self.n_directions,
+            "partial": self.partial,
+            "sparsity_match": self.sparsity_match,
+            "exact": self.exact,
+            "seconds": round(self.seconds, 4),
+            "rounds": self.rounds,
+            "n_candidates": self.n_candidates,
+            "swaps": self.swaps,
+            "noise_std": self.noise_std,
+            "chance_zeros": self.chance_zeros,
+            "peeled": self.peeled,
+            "budget_exhausted": self.budget_exhausted,
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+        }
+
+
+def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
+              noisy: bool, nonnegative: bool = True) -> bool:
+    """Whether a reconstruction may be marked exact without ground truth.
+
+    Parameters
+    ----------
+    sparsity_match
+        λ of the selected basis (None without the layer's weight and bias: no certificate).
+    n_found, batch_size
+        Directions found by the search, and B.
+    noisy
+        Whether noise was detected in the update (``tolerances.noisy_update``). Under noise λ counts
+        agreement within a noise tolerance and can reach 1 for an inexact batch, so a noisy
+        update is never certified.
+    nonnegative
+        The input side's extra condition (every recovered input a possible ReLU output).
+
+    Returns
+    -------
+    bool
+        λ = 1, all B directions found, no noise, and ``nonnegative``.
+    """
+    return (sparsity_match is not None and sparsity_match >= 1.0 and n_found == batch_size
+            and not noisy and nonnegative)
+
+
+def build_reconstruction(
+    inputs: torch.Tensor,
+    *,
+    cfg: AttackConfig,
+    clock: Clock,
+    batch_size: int,
+    n_found: int,
+    sparsity_match: float | None,
+    per_column: torch.Tensor | None,
+    units: int,
+    chance_zeros: int,
+    noisy: bool,
+    noise_std: float,
+    scales: torch.Tensor,
+    rounds: int,
+    n_candidates: int,
+    swaps: int,
+    exhausted: bool,
+    peeled: int = 0,
+    nonnegative: bool = True,
+) -> Reconstruction:
+    """The :class:`Reconstruction` of either side of the attack.
+
+    Parameters
+    ----------
+    inputs : (B, n)
+        The reconstructed inputs (any device; returned on the CPU).
+    cfg
+        The configuration the side ran with (its ``sparse`` names the side).
+    clock
+        The side's clock: ``seconds`` is its elapsed time, ``timings`` its step timings.
+    batch_size, n_found
+        B and the directions found by the search (< B: partial).
+    sparsity_match, per_column : (B,), units
+        λ and the matching entries per sample (out of the layer's m ``units``), or None
+        without weight and bias.
+    chance_zeros, noisy, noise_std, nonnegative
+        What the certificate needs (:func:`certified`) and reports.
+    scales : (B,)
+        The per-sample scales.
+    rounds, n_candidates, swaps, peeled, exhausted
+        The search's counters and whether the budget ended it.
+
+    Returns
+    -------
+    Reconstruction
+    """
+    col = None
+    if per_column is not None:
+        col = (per_column.double() / units).cpu()
+    return Reconstruction(
+        inputs=inputs.cpu(),
+        batch_size=batch_size,
+        sparsity_match=sparsity_match,
+        exact=certified(sparsity_match, n_found, batch_size, noisy=noisy,
+                        nonnegative=nonnegative),
+        n_directions=n_found,
+        method=cfg.method,
+        seconds=clock.elapsed(),
+        timings=clock.timings,
+        rounds=rounds,
+        n_candidates=n_candidates,
+        swaps=swaps,
+        noise_std=noise_std,
+        scales=scales.cpu(),
+        column_match=col,
+        config=cfg,
+        chance_zeros=chance_zeros,
+        peeled=peeled,
+        budget_exhausted=exhausted,
+    )

@@ -1,0 +1,151 @@
+"""The state of one search: what every step reads (:class:`SearchContext`, frozen) and what the
+steps change as it runs (:class:`SearchState`).
+
+The candidate pool has its own class (:class:`fl_attack.pool.CandidatePool`). The steps are
+functions of (context, state, pool): :mod:`fl_attack.rounds` (search rounds and completions),
+:mod:`fl_attack.certify` (selection, certificate, repair) and :mod:`fl_attack.loop` (the round
+loop and its stop rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fl_attack import filtering, search
+from fl_attack.clock import Clock
+from fl_attack.config import FEDAVG_TAU, AttackConfig
+from fl_attack.decompose import Decomposition
+from fl_attack.match import Match
+from fl_attack.peel import Peeled
+from fl_attack.scale import LayerSystem
+from fl_attack.tolerances import noisy_update, row_noise
+from fl_attack.tuning import TUNING, Tuning
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What a search reads and never changes: options, tuning, the decomposition and its
+    thresholds, the budget.
+
+    Build it with :func:`search_context`.
+    """
+
+    cfg: AttackConfig
+    dec: Decomposition
+    """G ≈ L R of the layer (of the transposed layer on the input side)."""
+    system: LayerSystem
+    """The products every selection and scale step reuses; its ``zero_rtol`` is the zero test."""
+    generator: torch.Generator
+    device: torch.device
+    clock: Clock
+    min_zeros: int
+    """Least number of zero rows of a true column (τ m, SPEAR §4.1; at least B)."""
+    noisy: bool
+    """Noise detected in the update (``tolerances.noisy_update``): never certified."""
+    row_noise: torch.Tensor | None
+    """(B,) ν / s_j, the noise on L's columns (``filtering.noise_scales``), when noisy."""
+    lambda_stop: float
+    """λ at which the search stops (1, or ``Tuning.noisy_lambda_stop`` under noise)."""
+    input_side: bool = False
+    """Inverting through the layer's sparse inputs (``fl_attack.input_layer``): the SPEAR++
+    rounds minimise the sign-aware loss and always restart uniformly."""
+    tuning: Tuning = TUNING
+
+    @property
+    def B(self) -> int:
+        """The batch size."""
+        return self.dec.batch_size
+
+    @property
+    def L(self) -> torch.Tensor:
+        """(m, B) the decomposition's left factor, orthonormal columns."""
+        return self.dec.L
+
+    @property
+    def zero_rtol(self) -> float:
+        """An entry of a column counts as zero below this fraction of its largest entry."""
+        return self.system.zero_rtol
+
+    @property
+    def complement_restarts(self) -> bool:
+        """Whether ``cfg.deflate`` applies (later rounds start orthogonal to found columns);
+        the input side's sign-aware loss has other basins and restarts uniformly."""
+        return not self.input_side
+
+    def n_rows(self) -> int:
+        """Rows used by the first polishing pass: well inside any true column's zero set."""
+        m = self.L.shape[0]
+        return min(max(int(self.tuning.polish_rows_share * self.min_zeros), self.B + 2), m - 1)
+
+    def objective(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The loss of the SPEAR++ rounds; None: the configured sparsity loss φ."""
+        if not self.input_side:
+            return None
+        cfg, kappa = self.cfg, self.tuning.sign_penalty
+        return lambda V: search.signed_sparsity_loss(V, cfg.loss, cfg.logcosh_alpha, kappa)
+
+
+def search_context(cfg: AttackConfig, dec: Decomposition, system: LayerSystem,
+                   generator: torch.Generator, device: torch.device, clock: Clock, *,
+                   input_side: bool = False, tuning: Tuning = TUNING) -> SearchContext:
+    """The :class:`SearchContext` of a decomposition: its thresholds and noise level.
+
+    Parameters
+    ----------
+    cfg, dec, system, generator, device, clock
+        The options, the decomposition and its products, the random generator, the device
+        the search runs on and the call's budget.
+    input_side
+        Whether the search inverts ``Gᵀ`` (the layer's sparse inputs).
+    tuning
+        The search's constants.
+
+    Returns
+    -------
+    SearchContext
+    """
+    B, m = dec.batch_size, dec.L.shape[0]
+    tau = cfg.tau if cfg.tau is not None or not system.subset else FEDAVG_TAU
+    min_zeros = max(filtering.min_zero_count(m, cfg.p_false_reject, tau), B)
+    noisy = noisy_update(dec)
+    return SearchContext(
+        cfg=cfg, dec=dec, system=system, generator=generator, device=device, clock=clock,
+        min_zeros=min_zeros, noisy=noisy, row_noise=row_noise(dec, device) if noisy else None,
+        lambda_stop=cfg.lambda_stop or (tuning.noisy_lambda_stop if noisy else 1.0),
+        input_side=input_side, tuning=tuning,
+    )
+
+
+@dataclass
+class SearchState:
+    """What the steps of one search change as it runs."""
+
+    rounds: int = 0
+    swaps: int = 0
+    samples: int = 0
+    """Submatrices drawn so far (SPEAR sampling)."""
+    match: Match | None = None
+    """λ of the last full selection (None while fewer than B columns are selected)."""
+    trusted: torch.Tensor | None = None
+    """(B, F) columns believed right so far; completions and peeling start from them."""
+    deflated: torch.Tensor | None = None
+    """(B, F) columns whose complement later rounds search: the trusted ones; under noise all
+    of a partial selection (the wrong ones are dominated by the noisiest singular vectors,
+    and searching outside them keeps the search off those minima)."""
+    faces_seen: set[bytes] = field(default_factory=set)
+    """Zero patterns of the faces already split."""
+    verdicts: dict[bytes, tuple[bool, int]] = field(default_factory=dict)
+    """Feasibility of a column's zero pattern -> (feasible, missing columns when checked)."""
+    completed: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    """Completion calls per (missing, found, round) of the current search pass."""
+    peel_tried: set[bytes] = field(default_factory=set)
+    """Zero patterns of the columns whose samples peeling already tried."""
+    peeler: Callable[[torch.Tensor, float | None], Peeled] | None = None
+    """Recovers and verifies the samples of found columns (``fl_attack.peel``), if given."""
+    peeled: Peeled | None = None
+    """Set when the search stopped to let verified samples be peeled off."""
+    exhausted: bool = False
+    """Set when the budget ran out before the search or the final selection ended."""
