@@ -85,10 +85,17 @@ class InlineExecutor(Executor):
 # --------------------------------------------------------------------------- worker processes
 
 
-def _worker_main(conn: Any) -> None:
-    """Body of a worker process: import once, say ready, then run jobs until told to stop."""
+def _worker_main(conn: Any, threads: int) -> None:
+    """Body of a worker process: import once, say ready, then run jobs until told to stop.
+
+    ``threads``: torch's intra-op threads, the pool's share of the cores (workers that each
+    took every core would oversubscribe them)."""
     try:
+        import torch
+
         import fl_attack  # noqa: F401  (warm the imports before announcing readiness)
+
+        torch.set_num_threads(threads)
 
         conn.send(("ready", None))
         while True:
@@ -202,7 +209,8 @@ class PoolExecutor(Executor):
     def _spawn(self) -> _Worker:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+        threads = max(1, usable_cores() // self.n)
+        proc = ctx.Process(target=_worker_main, args=(child, threads), daemon=True,
                            name="fl-attack-worker")
         proc.start()
         child.close()
