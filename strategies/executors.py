@@ -61,7 +61,8 @@ def make_executor(settings: AttackSettings) -> Executor:
         return InlineExecutor()
     if settings.executor == "ray":
         return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
-                           num_gpus=settings.ray_num_gpus, timeout=settings.timeout)
+                           num_gpus=settings.ray_num_gpus, timeout=settings.timeout,
+                           max_inflight=settings.workers)
     workers = 1 if settings.executor == "process" else settings.workers or usable_cores()
     return PoolExecutor(workers, timeout=settings.timeout,
                         startup_timeout=settings.startup_timeout, name=settings.executor)
@@ -335,7 +336,10 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _ray_run_job(job: AttackJob) -> dict[str, Any]:
+def _ray_run_job(job: AttackJob, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
     return run_job(job, in_worker=True)
 
 
@@ -343,17 +347,22 @@ class RayExecutor(Executor):
     """Each attack a Ray remote task (``num_cpus`` / ``num_gpus`` resources).
 
     Ray is the one the process already runs (``flwr.simulation`` starts it in-process), else
-    ``address`` (a cluster; ``"auto"`` finds a local one), else a new local instance. A task
-    past ``timeout`` is cancelled (``timeout``); a task whose worker dies is ``worker-died``,
-    one that Ray's memory monitor kills ``out-of-memory``.
+    ``address`` (a cluster; ``"auto"`` finds a local one), else a new local instance. On the
+    simulation's own instance, whose actors hold every CPU, tasks reserve none, so at most
+    ``max_inflight`` (default: the usable cores) run at once, each with its share of the cores
+    as torch threads. A task past ``timeout`` is cancelled (``timeout``); a task whose worker
+    dies is ``worker-died``, one that Ray's memory monitor kills ``out-of-memory``.
     """
 
     name = "ray"
 
     def __init__(self, address: str | None = None, *, num_cpus: float | None = None,
-                 num_gpus: float | None = None, timeout: float | None = None) -> None:
+                 num_gpus: float | None = None, timeout: float | None = None,
+                 max_inflight: int | None = None) -> None:
         self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
                                                                     num_gpus, timeout)
+        self.max_inflight, self._threads = max_inflight, 1
+        self._queue: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
         self._remote: Any = None
         self._started_ray = False
         self._watch: list[tuple[Any, Future[dict[str, Any]], float]] = []
@@ -379,6 +388,10 @@ class RayExecutor(Executor):
                     self._started_ray = True
             if self.num_cpus is None:
                 self.num_cpus = 0.0 if shared and not self.address else 1.0
+            if self.num_cpus == 0 and self.max_inflight is None:
+                self.max_inflight = usable_cores()
+            self._threads = (max(1, usable_cores() // self.max_inflight) if self.num_cpus == 0
+                             else max(1, int(self.num_cpus)))
             if self.num_gpus is None:
                 self.num_gpus = 1.0 if _cuda_available() else 0.0
             self._remote = ray.remote(max_retries=0)(_ray_run_job)
@@ -388,17 +401,27 @@ class RayExecutor(Executor):
 
     def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
         self.start()
-        ref = self._remote.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus).remote(job)
         future: Future[dict[str, Any]] = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
-            self._watch.append((ref, future, time.perf_counter()))
+            self._queue.append((job, future))
         return future
+
+    def _launch(self) -> None:
+        """Hand queued jobs to Ray while fewer than ``max_inflight`` run."""
+        with self._lock:
+            while self._queue and (self.max_inflight is None
+                                   or len(self._watch) < self.max_inflight):
+                job, future = self._queue.pop(0)
+                ref = self._remote.options(num_cpus=self.num_cpus,
+                                           num_gpus=self.num_gpus).remote(job, self._threads)
+                self._watch.append((ref, future, time.perf_counter()))
 
     def _collect(self) -> None:
         import ray
 
         while not self._stop.is_set():
+            self._launch()
             with self._lock:
                 watch = list(self._watch)
             if not watch:
@@ -441,6 +464,9 @@ class RayExecutor(Executor):
             self._thread = None
         with self._lock:
             watch, self._watch = self._watch, []
+            queued, self._queue = self._queue, []
+        for _, future in queued:
+            future.set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
         if watch:
             import ray
 

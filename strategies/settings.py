@@ -95,7 +95,8 @@ class AttackSettings:
         Where attacks run: in the server process (no hard timeout), one spawned worker process
         (default), ``workers`` spawned processes, or Ray tasks.
     workers : int, optional
-        Worker processes of the ``pool`` executor; default the usable cores.
+        Worker processes of the ``pool`` executor, and attacks the ``ray`` executor runs at
+        once on a simulation's Ray instance; default the usable cores.
     timeout : float, optional
         Hard limit of one attack in seconds: its worker is killed and replaced (not ``inline``).
     memory_limit_gb : float, optional

@@ -63,6 +63,26 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> Non
             assert _same_rows(out["inputs"], ref["inputs"])
 
 
+def test_ray_on_a_shared_instance_runs_at_most_max_inflight_attacks(job: AttackJob) -> None:
+    """Tasks that reserve no CPU (a simulation's Ray holds them all) are queued, not piled on."""
+    ray_ex = RayExecutor(num_cpus=0.0, max_inflight=1)
+    try:
+        futures = [ray_ex.submit(job) for _ in range(3)]
+        peak = 0
+        while not all(f.done() for f in futures):
+            with ray_ex._lock:
+                peak = max(peak, len(ray_ex._watch))
+            time.sleep(0.01)
+        outs = [f.result() for f in futures]
+        assert peak == 1
+        assert {o["status"] for o in outs} == {outs[0]["status"]}
+        assert outs[0]["status"] in verdicts.RECONSTRUCTED
+        queued = [ray_ex.submit(job) for _ in range(2)]
+    finally:
+        ray_ex.close()
+    assert queued[-1].result(timeout=60)["status"] in (verdicts.UNFINISHED, *verdicts.RECONSTRUCTED)
+
+
 def test_a_killed_worker_is_recorded_and_replaced(job: AttackJob) -> None:
     slow = AttackJob(**{**job.__dict__, "invert_kwargs": {**job.invert_kwargs,
                                                           "method": "spear", "max_seconds": 60}})
