@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import loop, peel
+from fl_attack import certify, loop, peel
 from fl_attack.clock import Clock
 from fl_attack.columns import normalize_columns
 from fl_attack.config import AttackConfig
@@ -74,7 +74,7 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
         chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
         noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
         n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
-        peeled=found.peeled,
+        peeled=found.peeled, supported=certify.supported(ctx, Q),
     )
 
 

@@ -95,6 +95,7 @@ def polish(
     idx = V.abs().topk(n_rows, dim=0, largest=False).indices
     mask = torch.zeros_like(V, dtype=torch.bool).scatter_(0, idx, True)
     face_dim = None
+    new_mask = mask
     for _ in range(2):
         eig_tol = mask.sum(dim=0).to(L.dtype) * (zero_rtol**2) / m
         if B > EIGH_UP_TO:
@@ -109,7 +110,9 @@ def polish(
         mask = torch.where(enough[None], new_mask, mask)
     lev = max_leverage(L, Q, mask)
     lev[kdim > 1] = 1.0  # still inside a face: a mixture of samples, not a column
-    return Q, mask.sum(dim=0), face_dim, lev
+    # the zeros the rounded direction has, not the rows it was fitted on: a least-squares
+    # fit to rows that are no sample's zeros (n_rows can exceed a narrow layer's τ m) has none
+    return Q, new_mask.sum(dim=0), face_dim, lev
 
 
 def irls_round(

@@ -25,10 +25,12 @@ class Reconstruction:
     indistinguishable from zero count as matches when they are the only mismatches and no
     more than chance explains (``chance_zeros``; ``match.sparsity_match``)."""
     exact: bool
-    """True when λ = 1 with all B directions found and no noise detected: the reconstruction
-    is certified without ground truth. Never under noise (DP-SGD): there λ counts agreement
-    within a noise tolerance, and with ``update="fedavg"`` (which checks only that zero rows
-    are inactive units) a noisy update can reach λ = 1 without being exact; report PSNR."""
+    """True when λ = 1 with all B directions found and no noise detected (with
+    ``update="fedavg"`` also every column with enough zero rows at the noise level,
+    ``certify.supported``): the reconstruction is certified without ground truth. Never
+    under noise (DP-SGD): there λ counts agreement within a noise tolerance, and with
+    ``update="fedavg"`` (which checks only that zero rows are inactive units) a noisy update
+    can reach λ = 1 without being exact; report PSNR."""
     n_directions: int
     """Directions found by the search; < B means a partial reconstruction, in which *no* sample
     is guaranteed: every row of Q⁻¹ depends on all B columns."""
@@ -83,7 +85,7 @@ class Reconstruction:
 
 
 def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
-              noisy: bool, nonnegative: bool = True) -> bool:
+              noisy: bool, nonnegative: bool = True, supported: bool = True) -> bool:
     """Whether a reconstruction may be marked exact without ground truth.
 
     Parameters
@@ -98,14 +100,17 @@ def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
         update is never certified.
     nonnegative
         The input side's extra condition (every recovered input a possible ReLU output).
+    supported
+        The FedAvg certificate's extra condition: every column has enough zero rows at the
+        noise level for λ's inclusion test to mean something (``certify.supported``).
 
     Returns
     -------
     bool
-        λ = 1, all B directions found, no noise, and ``nonnegative``.
+        λ = 1, all B directions found, no noise, ``nonnegative`` and ``supported``.
     """
     return (sparsity_match is not None and sparsity_match >= 1.0 and n_found == batch_size
-            and not noisy and nonnegative)
+            and not noisy and nonnegative and supported)
 
 
 def build_reconstruction(
@@ -128,6 +133,7 @@ def build_reconstruction(
     exhausted: bool,
     peeled: int = 0,
     nonnegative: bool = True,
+    supported: bool = True,
 ) -> Reconstruction:
     """The :class:`Reconstruction` of either side of the attack.
 
@@ -144,7 +150,7 @@ def build_reconstruction(
     sparsity_match, per_column : (B,), units
         λ and the matching entries per sample (out of the layer's m ``units``), or None
         without weight and bias.
-    chance_zeros, noisy, noise_std, nonnegative
+    chance_zeros, noisy, noise_std, nonnegative, supported
         What the certificate needs (:func:`certified`) and reports.
     scales : (B,)
         The per-sample scales.
@@ -163,7 +169,7 @@ def build_reconstruction(
         batch_size=batch_size,
         sparsity_match=sparsity_match,
         exact=certified(sparsity_match, n_found, batch_size, noisy=noisy,
-                        nonnegative=nonnegative),
+                        nonnegative=nonnegative, supported=supported),
         n_directions=n_found,
         method=cfg.method,
         seconds=clock.elapsed(),

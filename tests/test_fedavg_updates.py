@@ -9,7 +9,12 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import data, match, metrics, models, simulate, updates
+from fl_attack import certify, columns, config, data, match, metrics, models, simulate, updates
+from fl_attack.clock import Clock
+from fl_attack.decompose import decompose
+from fl_attack.scale import make_system
+from fl_attack.state import search_context
+from fl_attack.tolerances import tolerances
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,3 +95,64 @@ def test_a_dead_neuron_does_not_hide_the_batch_size_of_a_small_step_update() -> 
                            max_faces=4, max_seconds=None)
     assert rec.batch_size == 20
     assert _score(rec, x).mean_psnr > 25.0
+
+
+def _narrow(seed: int, protocol: str, epochs: int = 1, batch_size: int | None = None,
+            B: int = 8, m: int = 32):
+    """A client update of a narrow first layer (3072 -> m): one model (seed 0) for every
+    batch, ``load_images("photos32", B, seed=seed)`` as the client's data."""
+    x, y = data.load_images("photos32", B, seed=seed)
+    xn = data.normalize(x, "photos32")
+    model = models.relu_mlp(xn[0].numel(), m, 3, 10, seed=0)
+    res = simulate.local_update(model, xn, y, protocol=protocol, lr=0.01, epochs=epochs,
+                                batch_size=batch_size, seed=seed)
+    dW, db, W0, b0 = updates.weight_update_pair(model.state_dict(), res.state_dict)
+    return x, dW, db, W0, b0
+
+
+def test_the_fedavg_lambda_passes_mixtures_the_certificate_does_not() -> None:
+    """m = 32, B = 8, E = 5 full-batch steps: λ with ``update="fedavg"`` checks only that
+    zero rows are inactive units, and a column mixing two samples vanishes exactly where both
+    are inactive; its own reconstruction is the first sample, exactly, so the test has little
+    to catch on a narrow layer. Built directly from the true columns: the certificate
+    (``certify.supported``) stands on the zero rows at the noise level, on which a mixture is
+    not the only direction, so it holds for the true basis and fails for every mixture, also
+    for those whose λ is 1."""
+    x, dW, db, W0, b0 = _narrow(seed=4, protocol="fedavg", epochs=5)
+    cfg = config.AttackConfig(update="fedavg")
+    dec = decompose(dW, floor_rtol=1e-6)
+    assert dec.batch_size == 8
+    zero_rtol, z_band = tolerances(dec, cfg, torch.float32)
+    system = make_system(dec.L, dec.R, db, W0, b0, zero_rtol, z_band, subset=True)
+    ctx = search_context(cfg, dec, system, torch.Generator().manual_seed(0),
+                         torch.device("cpu"), Clock(None))
+    X = data.normalize(x, "photos32").flatten(1).double()
+    Qt = columns.normalize_columns(dec.L.T @ (dW @ X.T @ torch.linalg.inv(X @ X.T)))
+    assert certify.supported(ctx, Qt)
+    lam_one = 0
+    for a in range(8):
+        for share in (0.3, 3e-5):  # a mixture, and one that is a true column to 1e-5
+            b = (a + 1) % 8
+            Q = Qt.clone()
+            Q[:, a] = columns.normalize_columns(Qt[:, a:a + 1] + share * Qt[:, b:b + 1])[:, 0]
+            got = match.sparsity_match(Q, system)
+            lam_one += got is not None and got.value == 1.0
+            assert not certify.supported(ctx, Q)
+    assert lam_one > 0  # the situation: λ alone cannot tell some of them from the truth
+
+
+@pytest.mark.parametrize(("protocol", "epochs", "batch_size"),
+                         [("fedavg", 2, 4), ("fedavg", 5, None), ("fedsgd", 1, None)])
+def test_narrow_layer_certificates_are_exact(protocol: str, epochs: int,
+                                             batch_size: int | None) -> None:
+    """The certificate's contract on a narrow layer (m = 32, B = 8), where few zero rows per
+    column give λ little to check: FedAvg with mini-batches of 4 (2 epochs), five full-batch
+    steps, and a FedSGD step attacked as a gradient. For every batch, certified ⇒ every
+    sample above 90 dB."""
+    update = "gradient" if protocol == "fedsgd" else "fedavg"
+    for seed in range(6):
+        x, dW, db, W0, b0 = _narrow(seed, protocol, epochs=epochs, batch_size=batch_size)
+        rec = fl_attack.invert(dW, db, weight=W0, bias=b0, seed=seed, update=update,
+                               max_seconds=None)
+        if rec.exact:
+            assert float(_score(rec, x).psnr.min()) > 90.0, f"batch {seed}"

@@ -529,3 +529,14 @@ def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -
     score = filtering.noisy_sparsity(dec.L @ out, filtering.noise_scales(out, row_noise))
     trust = TUNING.noisy_trust * filtering.min_zero_count(m, 1e-5)
     assert bool((score[:B] >= trust).all()) and int(score[B:].max()) < 0.5 * trust
+
+
+def test_polish_reports_the_zeros_its_directions_have() -> None:
+    """Polishing fits each direction to its smallest rows (``n_rows``, here more than a narrow
+    layer's τ m) and reports its zero count, which the pool filters on: the count must be
+    that of the returned direction, not of the rows it was fitted on (a least-squares fit to
+    rows that are no sample's zeros has none). Random directions on a real (8, 32) batch."""
+    t = _truth(8, 32, seed=1)
+    Q = torch.randn(8, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    Qp, zeros, _, _ = polish.polish(t["L"], Q, n_rows=10, zero_rtol=1e-4)
+    assert torch.equal(zeros, columns.zero_mask(t["L"] @ Qp, 1e-4).sum(dim=0))
