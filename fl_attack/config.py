@@ -38,15 +38,14 @@ class AttackConfig:
     over the steps, so its zero rows are the units inactive at *every* step, a subset of those
     inactive at W₀. λ then counts a zero row as matching when the reconstruction is inactive
     there at W₀ (and every non-zero row), so λ = 1 certifies "every zero is explained by W₀";
-    a mixture of samples passes that test where all of them are inactive, so the certificate
-    also needs every column pinned down by enough zero rows at the noise level
-    (``certify.supported``); the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts);
-    the completions use only the most negative rows of a missing sample's W₀ pattern. With
-    mini-batches the inclusion holds only approximately (a sample's first step is not at W₀),
-    still better than ``"gradient"`` (``experiments/results/fedavg.md``). Not for noisy sums:
-    with DP-SGD noise every zero within the noise tolerance passes the inclusion test and λ
-    stops choosing between candidates (``experiments/results/dp.md``); clipping alone works
-    with both."""
+    a mixture of samples passes that test where all of them are inactive, so the certificate also
+    needs every column pinned down by enough zero rows at the noise level (``certify.supported``);
+    the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts); the
+    completions use only the most negative rows of a missing sample's W₀ pattern. With mini-batches
+    the inclusion holds only approximately (a sample's first step is not at W₀), still better than
+    ``"gradient"`` (``experiments/results/fedavg.md``). Not for noisy sums: with DP-SGD noise every
+    zero within the noise tolerance passes the inclusion test and λ stops choosing between
+    candidates (``experiments/results/dp.md``); clipping alone works with both."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
