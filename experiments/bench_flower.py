@@ -67,8 +67,11 @@ def run_one(clients: int, rounds: int, name: str, workdir: Path) -> dict[str, An
     lines = [json.loads(x) for x in (workdir / run / "metrics.jsonl").read_text().splitlines()]
     per = [summary["per_round"][k] for k in sorted(summary["per_round"], key=int)]
     walls = [float(r["train-round-seconds"]) for r in per]
-    attacked = sum(1 for ln in lines if ln.get("attack_seconds") is not None)
-    window = sum(float(r.get("audit-seconds", 0.0)) for r in per)
+    steady = per[1:] or per  # round 1 also starts the workers
+    later = {int(k) for k in sorted(summary["per_round"], key=int)[1:]} or {1}
+    attacked = sum(1 for ln in lines
+                   if ln.get("attack_seconds") is not None and int(ln["server_round"]) in later)
+    window = sum(float(r.get("audit-seconds", 0.0)) for r in steady)
     return {
         "clients": clients, "config": name, "process_s": time.time() - t0,
         "round1": walls[0], "round": statistics.mean(walls[1:] or walls),
@@ -115,8 +118,8 @@ def write_report(rows: list[dict[str, Any]], rounds: int, seconds: float, note: 
         f"with SPEAR++ (budget {BASE['max-seconds']:.0f} s), score it against the client's "
         "batch and store the pictures. Round = `configure_train` until the aggregate is "
         "returned (mean of rounds 2..R; round 1 also starts Ray's actors and the attack "
-        "workers). Attacks/min = attacked updates over the time from each round's replies to "
-        "its last result, summed over rounds. Last result = seconds from the start of the run.",
+        "workers). Attacks/min (rounds 2..R) = attacked updates over the time from each round's replies to "
+        "its last result. Last result = seconds from the start of the run.",
         "",
         "| clients | audit | round (s) | round 1 (s) | × plain round | attacks/min "
         "| last result (s) | certified | reconstructed | mean PSNR (dB) |",

@@ -62,10 +62,10 @@ def make_executor(settings: AttackSettings) -> Executor:
     if settings.executor == "ray":
         return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
                            num_gpus=settings.ray_num_gpus, timeout=settings.timeout,
-                           max_inflight=settings.workers)
+                           max_inflight=settings.workers, niceness=settings.niceness)
     workers = 1 if settings.executor == "process" else settings.workers or usable_cores()
-    return PoolExecutor(workers, timeout=settings.timeout,
-                        startup_timeout=settings.startup_timeout, name=settings.executor)
+    return PoolExecutor(workers, timeout=settings.timeout, startup_timeout=settings.startup_timeout,
+                        name=settings.executor, niceness=settings.niceness)
 
 
 class InlineExecutor(Executor):
@@ -86,12 +86,30 @@ class InlineExecutor(Executor):
 # --------------------------------------------------------------------------- worker processes
 
 
-def _worker_main(conn: Any, threads: int) -> None:
+def lower_priority(niceness: int) -> None:
+    """Run this process at least at Unix ``niceness`` (a no-op where the OS has none).
+
+    Attack workers share the cores with the federation (the server, simulated clients): at a
+    higher niceness the scheduler serves the federation first and gives the attacks what is
+    left. Niceness only ever rises here, so a repeated call (a reused Ray worker) is harmless.
+    """
+    if niceness <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+        if niceness > now:
+            os.setpriority(os.PRIO_PROCESS, 0, min(niceness, 19))
+    except OSError:
+        pass
+
+
+def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
     """Body of a worker process: import once, say ready, then run jobs until told to stop.
 
     ``threads``: torch's intra-op threads, the pool's share of the cores (workers that each
-    took every core would oversubscribe them)."""
+    took every core would oversubscribe them); ``niceness``: see :func:`lower_priority`."""
     try:
+        lower_priority(niceness)
         import torch
 
         import fl_attack  # noqa: F401  (warm the imports before announcing readiness)
@@ -141,14 +159,16 @@ class PoolExecutor(Executor):
 
     A dispatcher thread hands queued jobs to ready workers, collects their outcomes, kills a
     worker whose attack passed ``timeout`` (outcome ``timeout``) and replaces a worker that died
-    (outcome ``worker-died``). Workers import torch once and are reused across attacks.
+    (outcome ``worker-died``). Workers import torch once and are reused across attacks, and run
+    at Unix ``niceness`` (:func:`lower_priority`).
     """
 
     def __init__(self, n: int, *, timeout: float | None = None, startup_timeout: float = 300.0,
-                 name: str = "pool") -> None:
+                 name: str = "pool", niceness: int = 0) -> None:
         if n < 1:
             raise ValueError(f"a pool needs at least one worker, got {n}")
         self.n, self.timeout, self.startup_timeout, self.name = n, timeout, startup_timeout, name
+        self.niceness = niceness
         self._queue: queue.SimpleQueue[tuple[AttackJob, Future[dict[str, Any]]] | None] = (
             queue.SimpleQueue())
         self._workers: list[_Worker] = []
@@ -211,7 +231,7 @@ class PoolExecutor(Executor):
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         threads = max(1, usable_cores() // self.n)
-        proc = ctx.Process(target=_worker_main, args=(child, threads), daemon=True,
+        proc = ctx.Process(target=_worker_main, args=(child, threads, self.niceness), daemon=True,
                            name="fl-attack-worker")
         proc.start()
         child.close()
@@ -336,9 +356,10 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _ray_run_job(job: AttackJob, threads: int) -> dict[str, Any]:
+def _ray_run_job(job: AttackJob, threads: int, niceness: int = 0) -> dict[str, Any]:
     import torch
 
+    lower_priority(niceness)
     torch.set_num_threads(threads)
     return run_job(job, in_worker=True)
 
@@ -358,10 +379,10 @@ class RayExecutor(Executor):
 
     def __init__(self, address: str | None = None, *, num_cpus: float | None = None,
                  num_gpus: float | None = None, timeout: float | None = None,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None, niceness: int = 0) -> None:
         self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
                                                                     num_gpus, timeout)
-        self.max_inflight, self._threads = max_inflight, 1
+        self.max_inflight, self._threads, self.niceness = max_inflight, 1, niceness
         self._queue: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
         self._remote: Any = None
         self._started_ray = False
@@ -414,7 +435,8 @@ class RayExecutor(Executor):
                                    or len(self._watch) < self.max_inflight):
                 job, future = self._queue.pop(0)
                 ref = self._remote.options(num_cpus=self.num_cpus,
-                                           num_gpus=self.num_gpus).remote(job, self._threads)
+                                           num_gpus=self.num_gpus).remote(job, self._threads,
+                                                                    self.niceness)
                 self._watch.append((ref, future, time.perf_counter()))
 
     def _collect(self) -> None:

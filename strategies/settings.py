@@ -114,6 +114,10 @@ class AttackSettings:
         runs on that GPU), else 0.
     startup_timeout : float
         Seconds a worker process may take to start (importing torch).
+    niceness : int
+        Unix niceness of the attack workers (``process``, ``pool``, ``ray``), 0 to 19: on cores
+        shared with the federation the scheduler serves its server and clients first, so a
+        ``background`` audit takes the cores they leave idle. 0 keeps the normal priority.
     mode : {"blocking", "background"}
         ``blocking``: the round waits for its attacks and their results are in the round's
         metrics. ``background``: the aggregate is returned at once; each result is stored when
@@ -151,6 +155,7 @@ class AttackSettings:
     ray_num_cpus: float | None = None
     ray_num_gpus: float | None = None
     startup_timeout: float = 300.0
+    niceness: int = 10
     mode: str = "blocking"
     drain_timeout: float = 600.0
     max_queue: int | None = None
@@ -180,6 +185,8 @@ class AttackSettings:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not (isinstance(self.niceness, int) and 0 <= self.niceness <= 19):
+            raise ValueError(f"niceness must be an int in 0..19, got {self.niceness!r}")
         if not (_number(self.fraction) and 0 < self.fraction <= 1):
             raise ValueError(f"fraction must lie in (0, 1], got {self.fraction!r}")
         for name in ("ray_num_cpus", "ray_num_gpus"):

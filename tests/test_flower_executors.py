@@ -83,6 +83,22 @@ def test_ray_on_a_shared_instance_runs_at_most_max_inflight_attacks(job: AttackJ
     assert queued[-1].result(timeout=60)["status"] in (verdicts.UNFINISHED, *verdicts.RECONSTRUCTED)
 
 
+def test_pool_workers_run_at_the_niceness_asked_for() -> None:
+    """Attack workers yield the shared cores to the federation (Unix niceness)."""
+    pool = PoolExecutor(1, timeout=60, niceness=7)
+    try:
+        pool.start()
+        deadline = time.monotonic() + 120
+        while not pool.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (pid,) = pool.worker_pids()
+        while os.getpriority(os.PRIO_PROCESS, pid) < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker lowers its priority first thing after the spawn
+        assert os.getpriority(os.PRIO_PROCESS, pid) == max(7, os.getpriority(os.PRIO_PROCESS, 0))
+    finally:
+        pool.close()
+
+
 def test_a_killed_worker_is_recorded_and_replaced(job: AttackJob) -> None:
     slow = AttackJob(**{**job.__dict__, "invert_kwargs": {**job.invert_kwargs,
                                                           "method": "spear", "max_seconds": 60}})

@@ -121,6 +121,7 @@ def test_dpsgd_scored_and_epsilon_reported(tmp_path: Path) -> None:
     ("num-clients=0", "num-clients must be >= 1"),
     ("attack-options=max_secondz=5", "unknown attack option(s) ['max_secondz']"),
     ("protocol=fedprox", "protocol must be one of"),
+    ("audit-niceness=25", "audit-niceness must be in 0..19"),
     ("attack.steps=200", "unknown key 'attack.steps'"),
 ])
 def test_a_bad_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str,

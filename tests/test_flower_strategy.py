@@ -215,7 +215,8 @@ def test_bad_attack_settings_fail_when_built_naming_the_setting() -> None:
         AttackSettings(options={"no_such_option": 1})
     for bad, name in (({"executor": "gpu"}, "executor"), ({"fraction": 0.0}, "fraction"),
                       ({"rounds": "1,x"}, "rounds"), ({"timeout": -1.0}, "timeout"),
-                      ({"update": "sum"}, "update"), ({"workers": 0}, "workers")):
+                      ({"update": "sum"}, "update"), ({"workers": 0}, "workers"),
+                      ({"niceness": 20}, "niceness"), ({"niceness": 1.5}, "niceness")):
         with pytest.raises(ValueError, match=name):
             AttackSettings(**bad)
 
