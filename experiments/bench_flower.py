@@ -3,7 +3,7 @@
 For 3, 10 and 30 clients, runs the same federation (FedSGD, real photo crops shaped like
 CIFAR-10 (``photos32``), B = 16, MLP 3 x 200, 3 rounds, Flower's simulation engine) without the
 audit and audited on each executor: ``blocking`` on one worker process, on a pool of worker
-processes and on Ray tasks, and ``background`` on the pool. Per run it records
+processes and on Ray actors, and ``background`` on the pool. Per run it records
 
 * the round's wall time (``configure_train`` until the aggregate is returned: sampling, client
   training, communication, and, when blocking, the attacks), as the mean of rounds 2..R (round 1

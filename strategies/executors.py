@@ -1,4 +1,4 @@
-"""Where attacks run: the server process, spawned worker processes, or Ray tasks.
+"""Where attacks run: the server process, spawned worker processes, or Ray actors.
 
 Every executor takes :class:`~fl_attack_flwr.replies.AttackJob` s and returns
 ``concurrent.futures.Future`` s of outcomes (``strategies/running.py``); a future never fails:
@@ -9,9 +9,9 @@ what happens to an attack (a hard timeout, a dead worker, a memory cap) is its o
   one). Each attack has its own hard timeout; a killed or crashed worker is replaced and only
   its attack is lost; a worker that ran out of memory is replaced after reporting it (a failed
   allocation can leave the process half-initialised). Spawn, not fork, keeps CUDA and Ray safe.
-* :class:`RayExecutor`: each attack a Ray task with CPU/GPU resources, on the Ray instance this
-  process already has (the simulation engine's), on a given cluster address, or on a new local
-  instance.
+* ``RayExecutor`` (:mod:`fl_attack_flwr.ray_executor`): long-lived Ray actors with CPU/GPU
+  resources, on the Ray instance this process already has (the simulation engine's), on a given
+  cluster address, or on a new local instance.
 
 The same job and seed give the same reconstruction under every executor.
 """
@@ -22,7 +22,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +34,7 @@ from fl_attack_flwr.replies import AttackJob
 from fl_attack_flwr.running import error_outcome, run_job
 from fl_attack_flwr.settings import AttackSettings, usable_cores
 
-__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "RayExecutor", "make_executor"]
+__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "lower_priority", "make_executor"]
 
 log = logging.getLogger("fl_attack")
 
@@ -60,6 +59,8 @@ def make_executor(settings: AttackSettings) -> Executor:
     if settings.executor == "inline":
         return InlineExecutor()
     if settings.executor == "ray":
+        from fl_attack_flwr.ray_executor import RayExecutor
+
         return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
                            num_gpus=settings.ray_num_gpus, timeout=settings.timeout,
                            max_inflight=settings.workers, niceness=settings.niceness)
@@ -327,177 +328,3 @@ def _requeued(future: Future[dict[str, Any]]) -> Future[dict[str, Any]]:
     fresh: Future[dict[str, Any]] = Future()
     fresh.add_done_callback(lambda f: future.set_result(f.result()))
     return fresh
-
-
-# --------------------------------------------------------------------------- Ray
-
-
-SHARED_RAY_WAIT = 10.0
-"""Seconds the Ray executor waits for a Flower simulation engine in this process to start Ray
-(it does so while the first round is configured) before starting one itself."""
-
-
-def _simulation_ray(wait: float) -> bool:
-    """Whether Ray runs in this process (a Flower simulation's), waiting up to ``wait`` s for
-    it when a simulation engine thread is about to start it."""
-    import ray
-
-    # flwr.simulation.run_simulation runs the engine (which starts Ray) in this process
-    simulating = "flwr.server.superlink.fleet.vce.vce_api" in sys.modules
-    deadline = time.monotonic() + (wait if simulating else 0.0)
-    while not ray.is_initialized() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return bool(ray.is_initialized())
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _ray_run_job(job: AttackJob, threads: int, niceness: int = 0) -> dict[str, Any]:
-    import torch
-
-    lower_priority(niceness)
-    torch.set_num_threads(threads)
-    return run_job(job, in_worker=True)
-
-
-class RayExecutor(Executor):
-    """Each attack a Ray remote task (``num_cpus`` / ``num_gpus`` resources).
-
-    Ray is the one the process already runs (``flwr.simulation`` starts it in-process), else
-    ``address`` (a cluster; ``"auto"`` finds a local one), else a new local instance. On the
-    simulation's own instance, whose actors hold every CPU, tasks reserve none, so at most
-    ``max_inflight`` (default: the usable cores) run at once, each with its share of the cores
-    as torch threads. A task past ``timeout`` is cancelled (``timeout``); a task whose worker
-    dies is ``worker-died``, one that Ray's memory monitor kills ``out-of-memory``.
-    """
-
-    name = "ray"
-
-    def __init__(self, address: str | None = None, *, num_cpus: float | None = None,
-                 num_gpus: float | None = None, timeout: float | None = None,
-                 max_inflight: int | None = None, niceness: int = 0) -> None:
-        self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
-                                                                    num_gpus, timeout)
-        self.max_inflight, self._threads, self.niceness = max_inflight, 1, niceness
-        self._queue: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
-        self._remote: Any = None
-        self._started_ray = False
-        self._watch: list[tuple[Any, Future[dict[str, Any]], float]] = []
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def start(self) -> None:
-        import ray
-
-        with self._lock:
-            if self._remote is not None:
-                return
-            shared = self.address is None and _simulation_ray(SHARED_RAY_WAIT)
-            if not ray.is_initialized():
-                os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-                kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                          "logging_level": "ERROR", "ignore_reinit_error": True}
-                if self.address:
-                    ray.init(address=self.address, **kwargs)
-                else:
-                    ray.init(num_cpus=usable_cores(), **kwargs)
-                    self._started_ray = True
-            if self.num_cpus is None:
-                self.num_cpus = 0.0 if shared and not self.address else 1.0
-            if self.num_cpus == 0 and self.max_inflight is None:
-                self.max_inflight = usable_cores()
-            self._threads = (max(1, usable_cores() // self.max_inflight) if self.num_cpus == 0
-                             else max(1, int(self.num_cpus)))
-            if self.num_gpus is None:
-                self.num_gpus = 1.0 if _cuda_available() else 0.0
-            self._remote = ray.remote(max_retries=0)(_ray_run_job)
-            self._thread = threading.Thread(target=self._collect, name="fl-attack-ray",
-                                            daemon=True)
-            self._thread.start()
-
-    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
-        self.start()
-        future: Future[dict[str, Any]] = Future()
-        future.set_running_or_notify_cancel()
-        with self._lock:
-            self._queue.append((job, future))
-        return future
-
-    def _launch(self) -> None:
-        """Hand queued jobs to Ray while fewer than ``max_inflight`` run."""
-        with self._lock:
-            while self._queue and (self.max_inflight is None
-                                   or len(self._watch) < self.max_inflight):
-                job, future = self._queue.pop(0)
-                ref = self._remote.options(num_cpus=self.num_cpus,
-                                           num_gpus=self.num_gpus).remote(job, self._threads,
-                                                                    self.niceness)
-                self._watch.append((ref, future, time.perf_counter()))
-
-    def _collect(self) -> None:
-        import ray
-
-        while not self._stop.is_set():
-            self._launch()
-            with self._lock:
-                watch = list(self._watch)
-            if not watch:
-                time.sleep(0.05)
-                continue
-            done, _ = ray.wait([r for r, _, _ in watch], num_returns=1, timeout=0.1)
-            now = time.perf_counter()
-            for ref, future, t0 in watch:
-                if ref in done:
-                    future.set_result(self._result(ref, now - t0))
-                elif self.timeout and now - t0 > self.timeout:
-                    ray.cancel(ref, force=True)
-                    future.set_result(error_outcome(
-                        verdicts.TIMEOUT, f"attack exceeded its hard timeout of "
-                        f"{self.timeout:g}s (Ray task cancelled)", now - t0))
-                else:
-                    continue
-                with self._lock:
-                    self._watch = [w for w in self._watch if w[0] is not ref]
-
-    @staticmethod
-    def _result(ref: Any, seconds: float) -> dict[str, Any]:
-        import ray
-        from ray import exceptions as rex
-
-        try:
-            return ray.get(ref)
-        except rex.OutOfMemoryError as exc:
-            return error_outcome(verdicts.OUT_OF_MEMORY, f"Ray: {exc}", seconds)
-        except (rex.WorkerCrashedError, rex.NodeDiedError) as exc:
-            return error_outcome(verdicts.WORKER_DIED, f"Ray: {type(exc).__name__}", seconds)
-        except Exception as exc:  # noqa: BLE001
-            return error_outcome(verdicts.ATTACK_ERROR, f"Ray: {type(exc).__name__}: {exc}",
-                                 seconds)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        with self._lock:
-            watch, self._watch = self._watch, []
-            queued, self._queue = self._queue, []
-        for _, future in queued:
-            future.set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
-        if watch:
-            import ray
-
-            for ref, future, _ in watch:
-                ray.cancel(ref, force=True)
-                future.set_result(error_outcome(verdicts.UNFINISHED, "executor closed"))
-        if self._started_ray:
-            import ray
-
-            ray.shutdown()
-            self._started_ray = False
-        self._remote = None

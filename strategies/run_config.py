@@ -53,7 +53,7 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "audit-executor": "process",
     "audit-workers": 0,
     "audit-mode": "blocking",
-    "audit-niceness": 10,
+    "audit-niceness": 19,
     "audit-drain-timeout": 600.0,
     "audit-max-queue": 0,
     "audit-fraction": 1.0,

@@ -1,4 +1,4 @@
-"""Running one attack job, wherever it runs (the server process, a worker process, a Ray task).
+"""Running one attack job, wherever it runs (the server process, a worker process, a Ray actor).
 
 :func:`run_job` is the one function every executor calls. It never raises for what can happen
 to an attack: it returns an *outcome*, a plain dict that says what the server learned

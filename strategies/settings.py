@@ -93,7 +93,7 @@ class AttackSettings:
         Further ``fl_attack.AttackConfig`` fields, e.g. ``{"steps": 200}``; checked here.
     executor : {"inline", "process", "pool", "ray"}
         Where attacks run: in the server process (no hard timeout), one spawned worker process
-        (default), ``workers`` spawned processes, or Ray tasks.
+        (default), ``workers`` spawned processes, or ``workers`` Ray actors.
     workers : int, optional
         Worker processes of the ``pool`` executor, and attacks the ``ray`` executor runs at
         once on a simulation's Ray instance; default the usable cores.
@@ -117,7 +117,9 @@ class AttackSettings:
     niceness : int
         Unix niceness of the attack workers (``process``, ``pool``, ``ray``), 0 to 19: on cores
         shared with the federation the scheduler serves its server and clients first, so a
-        ``background`` audit takes the cores they leave idle. 0 keeps the normal priority.
+        ``background`` audit takes the cores they leave idle. The default, 19, is the lowest
+        priority: below a Flower simulation's ClientApp actors too (Ray runs its workers at
+        niceness 15). 0 keeps the normal priority.
     mode : {"blocking", "background"}
         ``blocking``: the round waits for its attacks and their results are in the round's
         metrics. ``background``: the aggregate is returned at once; each result is stored when
@@ -155,7 +157,7 @@ class AttackSettings:
     ray_num_cpus: float | None = None
     ray_num_gpus: float | None = None
     startup_timeout: float = 300.0
-    niceness: int = 10
+    niceness: int = 19
     mode: str = "blocking"
     drain_timeout: float = 600.0
     max_queue: int | None = None

@@ -15,7 +15,8 @@ from fl_attack.data import load_images, normalize
 from fl_attack.models import relu_mlp
 from fl_attack.simulate import local_update
 from fl_attack_flwr import AttackSettings, verdicts
-from fl_attack_flwr.executors import InlineExecutor, PoolExecutor, RayExecutor
+from fl_attack_flwr.executors import InlineExecutor, PoolExecutor
+from fl_attack_flwr.ray_executor import RayExecutor
 from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
 from fl_attack_flwr.running import run_job
 
@@ -63,23 +64,30 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> Non
             assert _same_rows(out["inputs"], ref["inputs"])
 
 
-def test_ray_on_a_shared_instance_runs_at_most_max_inflight_attacks(job: AttackJob) -> None:
-    """Tasks that reserve no CPU (a simulation's Ray holds them all) are queued, not piled on."""
-    ray_ex = RayExecutor(num_cpus=0.0, max_inflight=1)
+def test_ray_runs_at_most_max_inflight_attacks_and_replaces_a_timed_out_actor(
+        job: AttackJob) -> None:
+    """Actors that reserve no CPU (a simulation's Ray holds them all) take one attack each;
+    the rest wait. An attack past the hard timeout loses its actor, the next one runs."""
+    ray_ex = RayExecutor(num_cpus=0.0, max_inflight=1, timeout=300.0)
     try:
         futures = [ray_ex.submit(job) for _ in range(3)]
         peak = 0
         while not all(f.done() for f in futures):
-            with ray_ex._lock:
-                peak = max(peak, len(ray_ex._watch))
+            peak = max(peak, ray_ex.running())
             time.sleep(0.01)
         outs = [f.result() for f in futures]
         assert peak == 1
         assert {o["status"] for o in outs} == {outs[0]["status"]}
         assert outs[0]["status"] in verdicts.RECONSTRUCTED
+        ray_ex.timeout = 0.05  # the actor is warm: only the attack runs into it
+        timed_out = ray_ex.submit(job).result(timeout=120)
+        ray_ex.timeout = 300.0
+        again = ray_ex.submit(job).result(timeout=300)
         queued = [ray_ex.submit(job) for _ in range(2)]
     finally:
         ray_ex.close()
+    assert timed_out["status"] == verdicts.TIMEOUT and "hard timeout" in timed_out["error"]
+    assert again["status"] == outs[0]["status"]
     assert queued[-1].result(timeout=60)["status"] in (verdicts.UNFINISHED, *verdicts.RECONSTRUCTED)
 
 
