@@ -293,9 +293,9 @@ print(runs[-1].get("status", "") if runs else "")')" || status=""
     "$PY" - "$WORK/summary.json" <<'EOF' || fail "the audit summary does not show a certified reconstruction"
 import json, sys
 s = json.load(open(sys.argv[1]))
-keys = ("status", "clients", "replies", "reconstructions", "certified_exact", "psnr_mean")
+keys = ("status", "clients", "replies", "reconstructions", "certified", "psnr_mean")
 print("[compose-demo] summary: " + ", ".join(f"{k}={s.get(k)}" for k in keys), file=sys.stderr)
-sys.exit(0 if s.get("status") == "completed" and int(s.get("certified_exact") or 0) >= 1 else 1)
+sys.exit(0 if s.get("status") == "completed" and int(s.get("certified") or 0) >= 1 else 1)
 EOF
 }
 

@@ -14,6 +14,7 @@ import os
 import re
 import ssl
 import subprocess
+import sys
 import tomllib
 import uuid
 from pathlib import Path
@@ -60,6 +61,14 @@ def _deploy(tmp_path: Path, run_config: str, timeout: int) -> tuple[str,
     return tag, proc
 
 
+def _compose_summary_check() -> str:
+    """The Python that ``scripts/compose_demo.sh`` runs on the run's ``summary.json``."""
+    script = (ROOT / "scripts" / "compose_demo.sh").read_text()
+    start = script.index("<<'EOF' || fail \"the audit summary")
+    body = script[script.index("\n", start) + 1:]
+    return body[:body.index("\nEOF\n")]
+
+
 def test_deploy_local_end_to_end(tmp_path: Path) -> None:
     tag, proc = _deploy(tmp_path, "", 480)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -73,6 +82,10 @@ def test_deploy_local_end_to_end(tmp_path: Path) -> None:
     assert sorted(ln["partition_id"] for ln in lines) == [0, 1]  # partitions via --node-config
     assert summary["reconstructions"] == 2 and summary["certified"] == 2
     assert (run_dir / "report.html").is_file()
+    # the compose demo's check of a run's summary accepts this real one
+    check = subprocess.run([sys.executable, "-c", _compose_summary_check(),
+                            str(run_dir / "summary.json")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
     # everything it started is gone (zombies reparented to init aside)
     assert _flower_processes(tag) == set()
 
