@@ -3,10 +3,13 @@
 # afterwards, with an exit status that says whether the run completed (for scripts and CI; with
 # the activated venv a plain `flwr run . --stream` works too, see the README).
 #
-#   scripts/flwr_run_local.sh [extra --run-config overrides]
-#   e.g. scripts/flwr_run_local.sh "protocol='fedavg' local-epochs=2"
+#   scripts/flwr_run_local.sh [[--run-config] OVERRIDES ...]
+#   e.g. scripts/flwr_run_local.sh --run-config "protocol='fedavg' local-epochs=2"
+#        scripts/flwr_run_local.sh "protocol='fedavg'" "local-epochs=2"   (the same)
 #
-# The overrides are checked first: a bad setting exits 2 naming it, before anything starts.
+# The overrides are checked first: a bad setting, or an argument that is not an override,
+# exits 2 naming it, before anything starts. `num-clients=N` among them also sets the number
+# of SuperNodes (unless NUM_SUPERNODES is set).
 # Flower 1.41 always goes through a SuperLink: for the `:local:` address `flwr run` starts a
 # detached local SuperLink that outlives the command. This script gives it a temporary
 # FLWR_HOME (federation in $FLWR_HOME/config.toml, not in pyproject.toml), its own ports (so it
@@ -14,7 +17,7 @@
 # gives each ClientApp 1 CPU, waits for the run, checks `flwr ls --format json` for
 # `finished:completed` (`--stream` exits 0 even on failure) and stops the SuperLink by its PID.
 #
-# Environment: NUM_SUPERNODES (default: num-clients of the run config, 3), OUTPUT_DIR (default
+# Environment: NUM_SUPERNODES (default: num-clients of the overrides, else 3), OUTPUT_DIR (default
 # <repo>/runs), VENV (default <repo>/.venv), SIM_PORT (default: a free port).
 set -Eeuo pipefail
 
@@ -24,6 +27,20 @@ BIN="$VENV/bin"
 OUTPUT_DIR="${OUTPUT_DIR:-$ROOT/runs}"
 mkdir -p -m 700 "$OUTPUT_DIR"
 OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"
+OVERRIDES=()
+while (($#)); do
+    case "$1" in
+        --run-config|-c)
+            [[ $# -ge 2 ]] || { echo "[flwr-run-local] $1 needs a value" >&2; exit 2; }
+            OVERRIDES+=("$2"); shift 2 ;;
+        --run-config=*) OVERRIDES+=("${1#--run-config=}"); shift ;;
+        -*) echo "[flwr-run-local] unknown option $1 (only --run-config OVERRIDES)" >&2; exit 2 ;;
+        *) OVERRIDES+=("$1"); shift ;;
+    esac
+done
+if [[ -z "${NUM_SUPERNODES:-}" && "${OVERRIDES[*]:-}" =~ (^|[[:space:]])num-clients=([0-9]+) ]]; then
+    NUM_SUPERNODES="${BASH_REMATCH[2]}"
+fi
 NUM_SUPERNODES="${NUM_SUPERNODES:-3}"
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/fl-attack-sim.XXXXXX")"
@@ -68,9 +85,9 @@ EOF
 
 cd "$ROOT"
 BASE="num-clients=$NUM_SUPERNODES output-dir='$OUTPUT_DIR'"
-"$BIN/python" -m fl_attack_flwr.run_config "$BASE" "${1:-}" || exit 2
+"$BIN/python" -m fl_attack_flwr.run_config "$BASE" "${OVERRIDES[@]}" || exit 2
 ARGS=(--run-config "$BASE")
-[[ -n "${1:-}" ]] && ARGS+=(--run-config "$1")
+for override in "${OVERRIDES[@]}"; do ARGS+=(--run-config "$override"); done
 "$BIN/flwr" run . --stream "${ARGS[@]}"
 status="$("$BIN/flwr" ls --format json | "$BIN/python" -c '
 import json, sys

@@ -133,3 +133,22 @@ def test_a_bad_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--run-config", "audit-niceness=30"], "audit-niceness must be in 0..19"),
+    (["-c", "batch-size=0", "protocol='fedprox'"], "protocol must be one of"),
+    (["--stream"], "unknown option --stream"),
+])
+def test_flwr_run_local_checks_every_override_before_starting(tmp_path: Path, args: list[str],
+                                                              message: str) -> None:
+    """The script's overrides, given as ``flwr run`` takes them or bare, are all checked."""
+    venv = Path(sys.executable).parent.parent
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "flwr_run_local.sh"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUTPUT_DIR": str(tmp_path / "runs"),
+                               "VENV": str(venv), "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Starting local SuperLink" not in proc.stdout + proc.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
