@@ -53,8 +53,8 @@ TARGET = (20, 200, 5)  # (B, m, E) with b_mini = B: the issue's "5 local steps"
 PAPER_LR = 0.01  # SPEAR's FedAvg experiments use η = 0.01
 
 FEDAVG_HEADER = ("| B | m | E | b_mini | η | local steps | batches | mean PSNR | % > 25 dB | "
-                 "% exact (λ=1) | detected B | median s | max s | FedSGD: % > 25 dB | "
-                 "FedSGD: median s | FedSGD: max s | setting wall s | "
+                 "% exact (λ=1) | detected B | median s | max s | median CPU s | FedSGD: % > 25 dB | "
+                 "FedSGD: median s | FedSGD: max s | FedSGD: median CPU s | setting wall s | "
                  "papers (SPEAR App. F, SPEAR++ §5.3) |")
 FEDAVG_RULE = table_rule(FEDAVG_HEADER)
 
@@ -116,7 +116,7 @@ def fedsgd_update(B: int, m: int, seed: int):
 def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None,
                  device: str | None) -> str:
     """The FedSGD columns of a row: the same batches' one-step gradients attacked as
-    gradients (``update="gradient"``), "% > 25 dB | median s | max s"."""
+    gradients (``update="gradient"``), "% > 25 dB | median s | max s | median CPU s"."""
     outcomes = []
     for seed in seeds:
         x, _ = data.sample_batch(DATASET, B, seed=seed)
@@ -125,7 +125,7 @@ def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None
         print_batch(f"B={B} m={m} FedSGD", seed, o, B)
         outcomes.append(o)
     s = summarize(outcomes, B)
-    return f"{s.pct_ok:.0f} | {s.median_s:.1f} | {s.max_s:.1f}"
+    return f"{s.pct_ok:.0f} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f}"
 
 
 def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
@@ -139,7 +139,7 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
     rows = []
     for B, m in settings:
         seeds = range(first_seed, first_seed + batches)
-        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else "— | — | —"
+        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else "— | — | — | —"
         for b_mini in minibatches:
             for epochs in epochs_list:
                 for lr in lrs:
@@ -165,7 +165,8 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                     s = summarize(outcomes, B)
                     row = (f"| {B} | {m} | {epochs} | {bm} | {lr:g} | {steps} | {s.batches} | "
                            f"{s.mean_psnr:.1f} | {s.pct_ok:.0f} | {s.pct_exact:.0f} | "
-                           f"{s.detected} | {s.median_s:.1f} | {s.max_s:.1f} | {sgd} | {wall:.0f} | "
+                           f"{s.detected} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f} | {sgd} | "
+                           f"{wall:.0f} | "
                            f"{paper_fedavg(B, epochs, b_mini, lr)} |")
                     print(row, flush=True)
                     append(out, row)
@@ -254,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "with weight = W0, bias = b0. Columns: mean matched PSNR (dB) of the denormalised "
         "images; % of batches with mean PSNR > 25 dB (the papers' accuracy); % certified exact (λ = 1); "
         "detected B (range, and how many batches gave the true B); seconds of `invert` per "
-        "batch; the same for the FedSGD gradient of the same batches and model (one "
+        "batch (wall, and the process's CPU time: the attack's cost on a shared machine); "
+        "the same for the FedSGD gradient of the same batches and model (one "
         "full-batch step, attacked as a gradient); the setting's wall time (local training + "
         "FedAvg attacks). Produced by "
         "`python -m experiments.bench_fedavg`.\n\n"
