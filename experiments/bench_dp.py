@@ -80,6 +80,9 @@ class BatchOutcome:
     sparsity_match: float | None = None
     error: str | None = None
     """``Type: message`` when the attack raised instead of returning a reconstruction."""
+    cpu_seconds: float = 0.0
+    """CPU time of this process during ``fl_attack.invert`` (all its threads): what the
+    attack cost, less sensitive than the wall time to other work on a shared machine."""
 
 
 @dataclass
@@ -94,6 +97,8 @@ class SettingSummary:
     median_s: float
     max_s: float
     errors: list[str] = field(default_factory=list)
+    median_cpu_s: float = 0.0
+    """Median of :attr:`BatchOutcome.cpu_seconds`."""
     oracle_pct: float | None = None
     """% of batches above 25 dB for the least-squares reconstruction from the true ∂L/∂Z."""
 
@@ -132,19 +137,20 @@ def attack_batch(dw: torch.Tensor, db: torch.Tensor, w0: torch.Tensor, b0: torch
     its message, so one bad batch neither stops a long run nor disappears from the table.
     ``options``: further ``AttackConfig`` options (e.g. ``update="fedavg"``).
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
                                device=device, **options)
     except (ValueError, RuntimeError) as exc:
         return BatchOutcome(psnr=0.0, detected_b=None, exact=False,
                             seconds=time.perf_counter() - t0,
-                            error=f"{type(exc).__name__}: {exc}")
-    seconds = time.perf_counter() - t0
+                            error=f"{type(exc).__name__}: {exc}",
+                            cpu_seconds=time.process_time() - c0)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), dataset)
     score = metrics.score_batch(images, x)
     return BatchOutcome(psnr=score.mean_psnr, detected_b=rec.batch_size, exact=rec.exact,
-                        seconds=seconds, sparsity_match=rec.sparsity_match)
+                        seconds=seconds, sparsity_match=rec.sparsity_match, cpu_seconds=cpu)
 
 
 def describe_detected(values: Sequence[int | None], true_b: int) -> str:
@@ -171,6 +177,7 @@ def summarize(outcomes: Sequence[BatchOutcome], true_b: int) -> SettingSummary:
         median_s=statistics.median(secs),
         max_s=max(secs),
         errors=[o.error for o in outcomes if o.error],
+        median_cpu_s=statistics.median(o.cpu_seconds for o in outcomes),
     )
 
 

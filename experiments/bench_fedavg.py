@@ -53,7 +53,8 @@ TARGET = (20, 200, 5)  # (B, m, E) with b_mini = B: the issue's "5 local steps"
 PAPER_LR = 0.01  # SPEAR's FedAvg experiments use η = 0.01
 
 FEDAVG_HEADER = ("| B | m | E | b_mini | η | local steps | batches | mean PSNR | % > 25 dB | "
-                 "% exact (λ=1) | detected B | median s | max s | setting wall s | "
+                 "% exact (λ=1) | detected B | median s | max s | median CPU s | FedSGD: % > 25 dB | "
+                 "FedSGD: median s | FedSGD: max s | FedSGD: median CPU s | setting wall s | "
                  "papers (SPEAR App. F, SPEAR++ §5.3) |")
 FEDAVG_RULE = table_rule(FEDAVG_HEADER)
 
@@ -102,14 +103,43 @@ def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr
     return x, dw, db, w0, b0, res.steps
 
 
+def fedsgd_update(B: int, m: int, seed: int):
+    """The FedSGD gradient of the same batch and model as :func:`fedavg_update`'s:
+    ``(dW, db, W0, b0)`` of one full-batch step (η cancels)."""
+    x, y = data.sample_batch(DATASET, B, seed=seed)
+    xn = data.normalize(x, DATASET)
+    model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
+    res = simulate.local_update(model, xn, y, protocol="fedsgd", lr=PAPER_LR, seed=seed)
+    return updates.weight_update_pair(model.state_dict(), res.state_dict)
+
+
+def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None,
+                 device: str | None) -> str:
+    """The FedSGD columns of a row: the same batches' one-step gradients attacked as
+    gradients (``update="gradient"``), "% > 25 dB | median s | max s | median CPU s"."""
+    outcomes = []
+    for seed in seeds:
+        x, _ = data.sample_batch(DATASET, B, seed=seed)
+        dw, db, w0, b0 = fedsgd_update(B, m, seed)
+        o = attack_batch(dw, db, w0, b0, x, seed=seed, max_seconds=max_seconds, device=device)
+        print_batch(f"B={B} m={m} FedSGD", seed, o, B)
+        outcomes.append(o)
+    s = summarize(outcomes, B)
+    return f"{s.pct_ok:.0f} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f}"
+
+
 def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                minibatches: Sequence[int | None], lrs: Sequence[float], batches: int,
                first_seed: int, max_seconds: float | None, device: str | None,
-               out: Path, update: str = "fedavg",
+               out: Path, update: str = "fedavg", fedsgd: bool = True,
                ) -> list[tuple[int, int, int, int | None, float, SettingSummary]]:
-    """Run the grid, printing and appending one row per (B, m, E, b_mini, η)."""
+    """Run the grid, printing and appending one row per (B, m, E, b_mini, η); with
+    ``fedsgd`` each (B, m) first attacks the FedSGD gradients of the same batches, whose
+    columns every row of that (B, m) repeats (— without)."""
     rows = []
     for B, m in settings:
+        seeds = range(first_seed, first_seed + batches)
+        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else "— | — | — | —"
         for b_mini in minibatches:
             for epochs in epochs_list:
                 for lr in lrs:
@@ -135,7 +165,8 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                     s = summarize(outcomes, B)
                     row = (f"| {B} | {m} | {epochs} | {bm} | {lr:g} | {steps} | {s.batches} | "
                            f"{s.mean_psnr:.1f} | {s.pct_ok:.0f} | {s.pct_exact:.0f} | "
-                           f"{s.detected} | {s.median_s:.1f} | {s.max_s:.1f} | {wall:.0f} | "
+                           f"{s.detected} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f} | {sgd} | "
+                           f"{wall:.0f} | "
                            f"{paper_fedavg(B, epochs, b_mini, lr)} |")
                     print(row, flush=True)
                     append(out, row)
@@ -192,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the attack's `update` option (default fedavg: λ checks that each "
                              "column's zeros are inactive units at W0; gradient: the single-step "
                              "test, what runs before session 8 used)")
+    parser.add_argument("--no-fedsgd", action="store_true",
+                        help="skip the FedSGD columns (by default the same batches' one-step "
+                             "gradients are attacked too, for the seconds beside FedAvg's)")
     add_run_args(parser, RESULTS)
     args = parser.parse_args(argv)
     check_run_args(parser, args)
@@ -221,7 +255,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "with weight = W0, bias = b0. Columns: mean matched PSNR (dB) of the denormalised "
         "images; % of batches with mean PSNR > 25 dB (the papers' accuracy); % certified exact (λ = 1); "
         "detected B (range, and how many batches gave the true B); seconds of `invert` per "
-        "batch; the setting's wall time (local training + attacks). Produced by "
+        "batch (wall, and the process's CPU time: the attack's cost on a shared machine); "
+        "the same for the FedSGD gradient of the same batches and model (one "
+        "full-batch step, attacked as a gradient); the setting's wall time (local training + "
+        "FedAvg attacks). Produced by "
         "`python -m experiments.bench_fedavg`.\n\n"
         "Papers (SPEAR App. F, SPEAR++ §5.3): SPEAR (TinyImageNet, B = 20, η = 0.01): E = 1…20 → ≈ 98–109 dB, "
         "97–100% of batches above 25 dB; E = 50 → 90%; b_mini = 5, E = 20 → 97%. SPEAR++ "
@@ -230,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = run_fedavg(args.settings, args.epochs, args.minibatch, args.lrs, args.batches,
                       args.first_seed, args.max_seconds, args.device, args.out,
-                      update=args.update)
+                      update=args.update, fedsgd=not args.no_fedsgd)
     notes = fedavg_conclusion(rows, args.max_seconds)
     notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
     for line in notes:

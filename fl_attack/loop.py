@@ -68,8 +68,11 @@ def search(ctx: SearchContext, state: SearchState,
         if state.peeled is not None:
             return now.Q, now.count
         # a full basis whose pool no round changes any more: λ < 1 is final (not every true
-        # basis reaches 1: a sample with a tiny loss gradient has a column at the noise level)
-        key = (len(pool), now.count, state.match.value if state.match else None)
+        # basis reaches 1: a sample with a tiny loss gradient has a column at the noise level).
+        # A FedAvg pool keeps growing by mixtures of similar samples (τ = 0.2 lets them in),
+        # so there the selection's λ not changing counts
+        size = None if ctx.system.subset else len(pool)
+        key = (size, now.count, state.match.value if state.match else None)
         stale, last = (stale + 1 if key == last else 0), key
         if (now.done or ctx.clock.expired() or (spear and state.samples >= cfg.max_samples)
                 or (not spear and now.count == ctx.B and stale >= ctx.tuning.stale_rounds)):

@@ -16,7 +16,8 @@ class Tuning:
     """Constants of the search loop (:mod:`fl_attack.loop`) and its steps."""
 
     stale_rounds: int = 3
-    """SPEAR++ rounds without a new candidate after which a full basis with λ < 1 is final."""
+    """SPEAR++ rounds without a new candidate after which a full basis with λ < 1 is final
+    (with ``update="fedavg"``: rounds without a change of λ, ``loop.search``)."""
     slice_patience: int = 3
     """Slice-sampling calls on one found set (per round) before the search takes over; each
     call draws new points and its yield is random."""

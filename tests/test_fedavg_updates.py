@@ -9,11 +9,25 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import certify, columns, config, data, match, metrics, models, simulate, updates
+from fl_attack import (
+    certify,
+    columns,
+    config,
+    data,
+    loop,
+    match,
+    metrics,
+    models,
+    rounds,
+    simulate,
+    updates,
+)
+from fl_attack.certify import Assessment
 from fl_attack.clock import Clock
 from fl_attack.decompose import decompose
+from fl_attack.pool import CandidatePool
 from fl_attack.scale import make_system
-from fl_attack.state import search_context
+from fl_attack.state import SearchContext, SearchState, search_context
 from fl_attack.tolerances import tolerances
 
 
@@ -156,3 +170,44 @@ def test_narrow_layer_certificates_are_exact(protocol: str, epochs: int,
                                max_seconds=None)
         if rec.exact:
             assert float(_score(rec, x).psnr.min()) > 90.0, f"batch {seed}"
+
+
+@pytest.mark.parametrize("update", ["fedavg", "gradient"])
+def test_rounds_that_only_grow_the_pool_end_a_fedavg_search(
+        monkeypatch: pytest.MonkeyPatch, update: str) -> None:
+    """The stop rule on a stuck full basis, built directly: every round adds a new candidate
+    to the pool and the selection keeps λ < 1. A FedAvg pool grows by mixtures of similar
+    samples every round (τ = 0.2 lets them in), so with ``update="fedavg"`` the search ends
+    after ``Tuning.stale_rounds`` rounds in which λ did not change; with ``"gradient"`` a
+    growing pool keeps it going to the round cap."""
+    _, dW, db, W0, b0 = _fedavg(seed=0, epochs=5, batch_size=None)
+    cfg = config.AttackConfig(update=update, max_seconds=None)
+    dec = decompose(dW, floor_rtol=1e-6)
+    zero_rtol, z_band = tolerances(dec, cfg, torch.float32)
+    system = make_system(dec.L, dec.R, db, W0, b0, zero_rtol, z_band,
+                         subset=update == "fedavg")
+    ctx = search_context(cfg, dec, system, torch.Generator().manual_seed(0),
+                         torch.device("cpu"), Clock(None))
+    B, m = dec.batch_size, dec.L.shape[0]
+    Q = torch.eye(B, dtype=torch.float64)
+    stuck = match.Match(value=0.99, per_column=torch.full((B,), m), H=Q, s=Q[0], P=Q)
+
+    def grow(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+        q = torch.randn(B, 1, generator=ctx.generator, dtype=torch.float64)
+        pool.add(q, torch.tensor([m]))
+
+    def selection(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Assessment:
+        state.match = stuck
+        return Assessment(Q=Q, count=B, done=False)
+
+    monkeypatch.setattr(rounds, "spearpp_round", grow)
+    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(certify, "assess", selection)
+    monkeypatch.setattr(certify, "finish", lambda ctx, state, pool: (Q, B))
+    state, pool = SearchState(), CandidatePool(ctx)
+    loop.search(ctx, state, pool)
+    assert len(pool) == state.rounds  # the situation: every round grew the pool
+    if update == "fedavg":
+        assert state.rounds == 1 + ctx.tuning.stale_rounds
+    else:
+        assert state.rounds == cfg.round_cap(B)
