@@ -207,6 +207,9 @@ def _explanations(records: Sequence[ClientAudit]) -> str:
                      if k in present)
     others = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
                      if k not in present and k != verdicts.PENDING)
+    dp = ("<dt>ε, δ</dt><dd>The differential privacy a DP-SGD client reported (Opacus' RDP "
+          "accountant): smaller ε is stronger privacy; ε = ∞ means no noise.</dd>"
+          if any(r.epsilon is not None for r in records) else "")
     return (
         "<h2>How to read this report</h2><dl>"
         "<dt>The attack</dt><dd>The server inverts each client's update of one linear layer "
@@ -220,9 +223,7 @@ def _explanations(records: Sequence[ClientAudit]) -> str:
         f"<dt>PSNR</dt><dd>Similarity to the client's true samples (audit mode only): above "
         f"{EXACT_DB:.0f} dB the reconstruction is exact to float precision; above "
         f"{READABLE_DB:.0f} dB an image is recognisable; below about 15 dB it is noise.</dd>"
-        "<dt>ε, δ</dt><dd>The differential privacy a DP-SGD client reported (Opacus' RDP "
-        "accountant): smaller ε is stronger privacy; ε = ∞ means no noise.</dd>"
-        f"{legend}</dl><details><summary>Other statuses</summary><dl>{others}</dl></details>"
+        f"{dp}{legend}</dl><details><summary>Other statuses</summary><dl>{others}</dl></details>"
     )
 
 

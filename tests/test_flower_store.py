@@ -151,7 +151,7 @@ def test_metrics_jsonl_summary_and_report(tmp_path: Path) -> None:
     report = (store.run_dir / "report.html").read_text()
     assert report.count("data:image/png;base64,") >= 5  # plot + 2 x (recon, original)
     assert "boom &lt;b&gt;" in report and "boom <b>" not in report  # escaped
-    assert "ε" in report  # DP column present
+    assert "ε" in report and "<dt>ε, δ</dt>" in report  # DP column and its explanation
     assert "1.0e-05" in report and "0.00" not in report.split("DP δ")[1][:40]  # δ readable
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", report)  # self-contained
 
@@ -166,8 +166,9 @@ def test_summary_without_ground_truth_or_dp(tmp_path: Path) -> None:
     summary = store.finalize()
     assert summary["psnr_mean"] is None and summary["epsilon"] is None
     assert summary["reconstructions"] == 1
-    assert "no ground truth" in (store.run_dir / "report.html").read_text()
-    assert "audit off" not in (store.run_dir / "report.html").read_text()
+    page = (store.run_dir / "report.html").read_text()
+    assert "no ground truth" in page and "audit off" not in page
+    assert "ε" not in page  # no DP: no ε column, no explanation of it
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
