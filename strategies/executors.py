@@ -34,7 +34,8 @@ from fl_attack_flwr.replies import AttackJob
 from fl_attack_flwr.running import error_outcome, run_job
 from fl_attack_flwr.settings import AttackSettings, usable_cores
 
-__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "lower_priority", "make_executor"]
+__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "cores_share", "lower_priority",
+           "make_executor", "prepare_worker"]
 
 log = logging.getLogger("fl_attack")
 
@@ -104,19 +105,28 @@ def lower_priority(niceness: int) -> None:
         pass
 
 
+def cores_share(workers: int) -> int:
+    """Torch threads of one of ``workers`` attack workers: its share of the usable cores
+    (workers that each took every core would oversubscribe them)."""
+    return max(1, usable_cores() // workers)
+
+
+def prepare_worker(threads: int, niceness: int) -> None:
+    """Set up a process that runs attacks (a pool worker, a Ray actor): its priority
+    (:func:`lower_priority`), torch's intra-op ``threads``, and the imports warmed once."""
+    lower_priority(niceness)
+    import torch
+
+    import fl_attack  # noqa: F401  (warm the imports before the first job)
+
+    torch.set_num_threads(threads)
+
+
 def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
-    """Body of a worker process: import once, say ready, then run jobs until told to stop.
-
-    ``threads``: torch's intra-op threads, the pool's share of the cores (workers that each
-    took every core would oversubscribe them); ``niceness``: see :func:`lower_priority`."""
+    """Body of a worker process: set up (:func:`prepare_worker`), say ready, then run jobs
+    until told to stop."""
     try:
-        lower_priority(niceness)
-        import torch
-
-        import fl_attack  # noqa: F401  (warm the imports before announcing readiness)
-
-        torch.set_num_threads(threads)
-
+        prepare_worker(threads, niceness)
         conn.send(("ready", None))
         while True:
             try:
@@ -231,8 +241,8 @@ class PoolExecutor(Executor):
     def _spawn(self) -> _Worker:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        threads = max(1, usable_cores() // self.n)
-        proc = ctx.Process(target=_worker_main, args=(child, threads, self.niceness), daemon=True,
+        proc = ctx.Process(target=_worker_main, args=(child, cores_share(self.n), self.niceness),
+                           daemon=True,
                            name="fl-attack-worker")
         proc.start()
         child.close()

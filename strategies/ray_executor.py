@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.executors import Executor, lower_priority
+from fl_attack_flwr.executors import Executor, cores_share, prepare_worker
 from fl_attack_flwr.replies import AttackJob
 from fl_attack_flwr.running import error_outcome, run_job
 from fl_attack_flwr.settings import usable_cores
@@ -55,12 +55,7 @@ class AttackActor:
     """Body of one Ray actor: warm imports, then one attack per :meth:`run` call."""
 
     def __init__(self, threads: int, niceness: int) -> None:
-        lower_priority(niceness)
-        import torch
-
-        import fl_attack  # noqa: F401  (warm the imports before the first job)
-
-        torch.set_num_threads(threads)
+        prepare_worker(threads, niceness)
 
     def run(self, job: AttackJob) -> dict[str, Any]:
         return run_job(job, in_worker=True)
@@ -148,7 +143,7 @@ class RayExecutor(Executor):
             cpus = float(ray.cluster_resources().get("CPU", usable_cores()))
             self.max_inflight = (usable_cores() if self.num_cpus == 0
                                  else max(1, int(cpus // self.num_cpus)))
-        self._threads = (max(1, usable_cores() // self.max_inflight) if self.num_cpus == 0
+        self._threads = (cores_share(self.max_inflight) if self.num_cpus == 0
                          else max(1, int(self.num_cpus)))
 
     def _new_actor(self) -> Any:
