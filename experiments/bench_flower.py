@@ -65,13 +65,12 @@ def run_one(clients: int, rounds: int, name: str, workdir: Path) -> dict[str, An
                            + proc.stderr[-4000:])
     summary = json.loads((workdir / run / "summary.json").read_text())
     lines = [json.loads(x) for x in (workdir / run / "metrics.jsonl").read_text().splitlines()]
-    per = [summary["per_round"][k] for k in sorted(summary["per_round"], key=int)]
-    walls = [float(r["train-round-seconds"]) for r in per]
-    steady = per[1:] or per  # round 1 also starts the workers
-    later = {int(k) for k in sorted(summary["per_round"], key=int)[1:]} or {1}
-    attacked = sum(1 for ln in lines
-                   if ln.get("attack_seconds") is not None and int(ln["server_round"]) in later)
-    window = sum(float(r.get("audit-seconds", 0.0)) for r in steady)
+    rounds = sorted(summary["per_round"], key=int)
+    walls = [float(summary["per_round"][k]["train-round-seconds"]) for k in rounds]
+    steady = rounds[1:] or rounds  # round 1 also starts the workers
+    attacked = sum(1 for ln in lines if ln.get("attack_seconds") is not None
+                   and str(ln["server_round"]) in steady)
+    window = sum(float(summary["per_round"][k].get("audit-seconds", 0.0)) for k in steady)
     return {
         "clients": clients, "config": name, "process_s": time.time() - t0,
         "round1": walls[0], "round": statistics.mean(walls[1:] or walls),

@@ -201,6 +201,12 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
     return "".join(out) + "</table>"
 
 
+def _reports_dp(records: Sequence[ClientAudit]) -> bool:
+    """Whether any client reported differential privacy (the report then shows and explains
+    ε and δ)."""
+    return any(r.epsilon is not None for r in records)
+
+
 def _explanations(records: Sequence[ClientAudit]) -> str:
     present = {r.status for r in records}
     legend = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
@@ -209,7 +215,7 @@ def _explanations(records: Sequence[ClientAudit]) -> str:
                      if k not in present and k != verdicts.PENDING)
     dp = ("<dt>ε, δ</dt><dd>The differential privacy a DP-SGD client reported (Opacus' RDP "
           "accountant): smaller ε is stronger privacy; ε = ∞ means no noise.</dd>"
-          if any(r.epsilon is not None for r in records) else "")
+          if _reports_dp(records) else "")
     return (
         "<h2>How to read this report</h2><dl>"
         "<dt>The attack</dt><dd>The server inverts each client's update of one linear layer "
@@ -283,7 +289,7 @@ def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit]) -> str:
         ("corrupt replies", s.get("corrupt_replies")), ("client errors", s.get("client_errors")),
         ("attack seconds (total)", s.get("attack_seconds_total")),
     ]
-    if any(r.epsilon is not None for r in records):
+    if _reports_dp(records):
         rows += [("DP ε (largest, cumulative)", s.get("epsilon")), ("DP δ", s.get("delta"))]
     layers = sorted({f"{r.layer} {tuple(r.layer_shape or ())}" for r in records if r.layer})
     if layers:
@@ -308,7 +314,7 @@ def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
 
 
 def _clients_section(records: Sequence[ClientAudit]) -> str:
-    dp = any(r.epsilon is not None for r in records)
+    dp = _reports_dp(records)
     header = ["round", "client", "status", "why", "read as", "B", "λ", "PSNR [dB]", "attack s"]
     header += ["ε (round)", "ε (cumul.)", "δ"] if dp else []
     rows = []
