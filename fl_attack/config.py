@@ -132,11 +132,13 @@ class AttackConfig:
     """Largest face (group of samples sharing their zero rows) split by sampling."""
     dedupe_tol: float = 1e-6
     """Directions with |cos| > 1 - dedupe_tol are duplicates (up to sign)."""
-    slice_first: bool = False
+    slice_first: bool | None = None
     """Before the first search round, sample the slice of all B samples (found set empty) and
     complete from there; the search then starts in the complement of what that found. Needs
-    ``weight`` and ``bias``. Faster on photo batches, but off by default: it lost the
-    certificate of one (30, 200) batch (``experiments/results/tuning.md``)."""
+    ``weight`` and ``bias``. None: on for layers with m ≥ :data:`WIDE_LAYER` outputs and clean
+    single-step gradients (there the completions find columns at several times the search's
+    rate, ``experiments/results/core.md``), off on narrow layers (it lost the certificate of
+    one (30, 200) batch), FedAvg sums and noisy updates (``experiments/results/tuning.md``)."""
     slice_samples: int = 2048
     """Points drawn on the slice of the missing samples, each round, when 2 or more columns are
     missing (``completion.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the
@@ -182,6 +184,12 @@ class AttackConfig:
         alternate = self.alternate if self.alternate is not None else not wide
         irls = self.irls if self.irls is not None else wide
         return alternate, irls
+
+    def first_slice(self, m: int, *, noisy: bool) -> bool:
+        """``slice_first`` for a layer with ``m`` outputs, its default resolved (see the option)."""
+        if self.slice_first is not None:
+            return self.slice_first
+        return m >= WIDE_LAYER and not noisy and self.update == "gradient"
 
     def round_cap(self, batch_size: int) -> int:
         """``max_rounds``, or its default for a batch of ``batch_size``."""
@@ -235,8 +243,8 @@ class AttackConfig:
             raise ValueError(f"dedupe_tol must lie in (0, 1), got {self.dedupe_tol}")
         if self.irls is not None and not isinstance(self.irls, bool):
             raise ValueError(f"irls must be True, False or None, got {self.irls!r}")
-        if not isinstance(self.slice_first, bool):
-            raise ValueError(f"slice_first must be True or False, got {self.slice_first!r}")
+        if self.slice_first is not None and not isinstance(self.slice_first, bool):
+            raise ValueError(f"slice_first must be True, False or None, got {self.slice_first!r}")
         if isinstance(self.noise, str):
             if self.noise != "auto":
                 raise ValueError(f"noise must be 'auto' or a number >= 0, got {self.noise!r}")

@@ -50,7 +50,7 @@ def search(ctx: SearchContext, state: SearchState,
     spear = cfg.method == "spear"
     max_rounds = cfg.round_cap(ctx.B) if not spear else 1 << 62
     state.completed = {}
-    if not spear and cfg.slice_first:
+    if not spear and not ctx.input_side and cfg.first_slice(ctx.L.shape[0], noisy=ctx.noisy):
         # complete from nothing (the empty pool selects no column): the slice of all B samples
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
         progress(ctx, "slice sampling before the search: %d/%d directions", now.count, ctx.B)

@@ -300,7 +300,7 @@ def test_unknown_options(layer) -> None:
     with pytest.raises(ValueError, match="verify_dim must be a non-negative int"):
         fl_attack.AttackConfig(verify_dim=-1)
     assert fl_attack.AttackConfig(verify_dim=0).verify_dim == 0  # 0: the check is off
-    with pytest.raises(ValueError, match="slice_first must be True or False"):
+    with pytest.raises(ValueError, match="slice_first must be True, False or None"):
         fl_attack.AttackConfig(slice_first="yes")
 
 
