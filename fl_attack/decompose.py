@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fl_attack.errors import NotIdentifiable
+from fl_attack.tuning import TUNING
 
 
 @dataclass
@@ -27,6 +28,43 @@ class Decomposition:
     """Estimated std of the noise on each gradient entry (rounding noise for clean gradients)."""
     noise_edge: float
     """Estimated largest singular value of the noise alone, ν(√m + √n)."""
+    edge_batch_size: int = 0
+    """Under noise, the singular values above :data:`EDGE_MARGIN` x the noise edge: the largest
+    batch size the spectrum allows (``batch_size`` counts those above ``rank_margin`` x the
+    edge, the values clear of the noise). Equal to ``batch_size`` on a clean spectrum or an
+    explicit ``batch_size``; 0 for a decomposition built by hand."""
+    edge_L: torch.Tensor | None = None
+    """(m, edge_batch_size) the left factor at the edge reading, when it is larger."""
+    edge_R: torch.Tensor | None = None
+    """(edge_batch_size, n) the right factor at the edge reading, when it is larger."""
+
+    def readings(self) -> tuple[int, ...]:
+        """The plausible batch sizes, ascending: (batch_size,) or (batch_size, edge_batch_size)."""
+        if self.edge_batch_size > self.batch_size and self.edge_L is not None:
+            return (self.batch_size, self.edge_batch_size)
+        return (self.batch_size,)
+
+    def at(self, batch_size: int) -> Decomposition:
+        """This decomposition read at one of :meth:`readings` (the factors' first columns)."""
+        if batch_size == self.batch_size:
+            return self
+        if batch_size not in self.readings():
+            raise ValueError(f"batch_size {batch_size} is not a reading of this spectrum "
+                             f"{self.readings()}")
+        assert self.edge_L is not None and self.edge_R is not None
+        return Decomposition(L=self.edge_L[:, :batch_size].contiguous(),
+                             R=self.edge_R[:batch_size].contiguous(),
+                             singular_values=self.singular_values, batch_size=batch_size,
+                             noise_std=self.noise_std, noise_edge=self.noise_edge,
+                             edge_batch_size=self.edge_batch_size)
+
+
+EDGE_MARGIN = 1.1
+"""Under noise, a singular value above this many noise edges ν(√m + √n) may still be a sample
+rather than noise: the largest noise singular value scatters around the edge by about 1% at
+the layers' shapes (Tracy-Widom), and the estimate ν̂ is within a few percent of ν. Between
+this and ``rank_margin`` edges a direction is plausible but noisy; the attack tries both
+readings (``levels.invert_output``)."""
 
 
 def estimate_rank(
@@ -159,4 +197,15 @@ def decompose(
         B = batch_size
     L = U[:, :B].contiguous()
     R = (S[:B, None] * Vh[:B]).contiguous()
-    return Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu, noise_edge=edge)
+    dec = Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu,
+                        noise_edge=edge, edge_batch_size=B)
+    if (batch_size is None and rank_margin > EDGE_MARGIN
+            and edge > TUNING.noisy_ratio * float(S[B - 1])):
+        # a noisy spectrum: values between EDGE_MARGIN and rank_margin edges are plausible too
+        top = int((S[:limit] > max(EDGE_MARGIN * edge, float(S[0]) * floor_rtol)).sum())
+        top = min(top, limit - 1)
+        if top > B and float(S[B]) <= rank_margin * edge:
+            dec.edge_batch_size = top
+            dec.edge_L = U[:, :top].contiguous()
+            dec.edge_R = (S[:top, None] * Vh[:top]).contiguous()
+    return dec

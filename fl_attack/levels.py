@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import certify, loop, peel
+from fl_attack import certify, loop, peel, readings
 from fl_attack.clock import Clock
 from fl_attack.columns import normalize_columns
 from fl_attack.config import AttackConfig
@@ -32,6 +32,11 @@ from fl_attack.validation import LayerUpdate
 def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
                   clock: Clock) -> Reconstruction:
     """``sparse="output"``: recover the layer's inputs from the sparse columns of ∂L/∂Z.
+
+    Under noise the spectrum may allow two batch sizes (``Decomposition.readings``: the
+    singular values clear of the noise, and those merely above its edge); each is attacked
+    with its share of the budget and the reading whose reconstruction explains the update
+    best is kept (:func:`fl_attack.readings.choose`).
 
     Parameters
     ----------
@@ -54,8 +59,27 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     ValueError
         When the gradient's rank does not identify a batch (``decompose.decompose``).
     """
+    t0 = time.perf_counter()
+    dec = decompose(layer.weight_grad, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
+                    floor_rtol=rank_floor(layer.precision))
+    clock.tick("decompose", t0)
+    values = dec.readings()
+    if len(values) == 1:
+        return _invert_at(layer, cfg, seed, clock, dec)
+    recs = []
+    for i, B in enumerate(values):
+        left = None if clock.max_seconds is None else max(
+            clock.max_seconds - clock.elapsed(), 0.0) / (len(values) - i)
+        sub = Clock(left, timings=clock.timings)
+        recs.append(_invert_at(layer, cfg, seed, sub, dec.at(B)))
+    return readings.choose(recs, layer, clock)
+
+
+def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
+               dec: Decomposition) -> Reconstruction:
+    """:func:`invert_output` at one reading of the batch size (``dec``)."""
     generator = torch.Generator().manual_seed(seed)
-    found = solve(layer.weight_grad, layer.bias_grad, layer, cfg, generator, clock)
+    found = solve(layer.weight_grad, layer.bias_grad, layer, cfg, generator, clock, dec=dec)
     ctx, state = found.ctx, found.state
     if found.peeled:  # the columns of every level, in this level's coordinates
         Q = normalize_columns(ctx.L.T @ found.columns)

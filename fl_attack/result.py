@@ -53,6 +53,12 @@ class Reconstruction:
     peeled: int = 0
     """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
     and taken off the gradient before the rest of the batch was searched (``fl_attack.peel``)."""
+    batch_size_readings: tuple[int, ...] = ()
+    """Under noise, the batch sizes the spectrum allowed and that were attacked, when more than
+    one (``fl_attack.readings``: the one that explains the update best is returned)."""
+    reading_scores: tuple[float, ...] = ()
+    """The criterion of each reading in ``batch_size_readings`` (``readings.criterion``, smaller
+    is better: the returned one has the smallest)."""
     budget_exhausted: bool = False
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best
@@ -80,6 +86,8 @@ class Reconstruction:
             "chance_zeros": self.chance_zeros,
             "peeled": self.peeled,
             "budget_exhausted": self.budget_exhausted,
+            "batch_size_readings": list(self.batch_size_readings),
+            "reading_scores": [round(v, 1) for v in self.reading_scores],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
         }
 

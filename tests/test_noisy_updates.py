@@ -95,3 +95,76 @@ def test_the_certificate_refuses_a_noisy_selection_even_at_lambda_one() -> None:
     assert not certified(1.0, 19, 20, noisy=False)  # a completed (partial) basis
     assert not certified(None, 20, 20, noisy=False)  # no weight and bias: no λ
     assert not certified(1.0, 20, 20, noisy=False, nonnegative=False)  # input side's extra test
+
+
+def test_the_spectrum_gives_two_readings_between_the_edge_and_the_margin() -> None:
+    """A formula test on a constructed spectrum: singular values 3-6 noise edges above the
+    noise and one at 1.5 edges. ``batch_size`` counts those above ``rank_margin`` = 2 edges,
+    ``edge_batch_size`` those above ``EDGE_MARGIN`` edges, and ``at`` gives the factors of
+    either reading (the first columns of one SVD)."""
+    from fl_attack.decompose import EDGE_MARGIN, decompose
+
+    gen = torch.Generator().manual_seed(0)
+    m, n, B, nu = 300, 900, 8, 1e-3
+    edge = nu * (m**0.5 + n**0.5)
+    U = torch.linalg.qr(torch.randn(m, B, generator=gen, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(n, B, generator=gen, dtype=torch.float64)).Q
+    s = torch.tensor([6.0, 5.5, 5.0, 4.5, 4.0, 3.5, 3.0, 1.5], dtype=torch.float64) * edge
+    G = U @ torch.diag(s) @ V.T + nu * torch.randn(m, n, generator=gen, dtype=torch.float64)
+    dec = decompose(G, floor_rtol=1e-13)
+    S = dec.singular_values
+    assert dec.batch_size == int((S > 2.0 * dec.noise_edge).sum()) == B - 1
+    assert dec.edge_batch_size == int((S > EDGE_MARGIN * dec.noise_edge).sum()) == B
+    assert dec.readings() == (B - 1, B)
+    wide = dec.at(B)
+    assert wide.batch_size == B and wide.L.shape == (m, B) and wide.R.shape == (B, n)
+    assert torch.allclose(wide.L[:, :B - 1], dec.L) and torch.allclose(wide.R[:B - 1], dec.R)
+    assert torch.allclose(wide.L @ wide.R, U @ torch.diag(s) @ V.T, atol=20 * nu)
+    # a clean spectrum or a given batch size has one reading
+    assert decompose(U @ torch.diag(s) @ V.T, floor_rtol=1e-13).readings() == (B,)
+    assert decompose(G, batch_size=B, floor_rtol=1e-13).readings() == (B,)
+
+
+def test_the_explained_residual_counts_what_a_reconstruction_leaves_out() -> None:
+    """``readings.explained_residual`` on a real clean gradient (B = 12, m = 200): the true
+    inputs explain it to rounding, and with one sample left out the residual is that sample's
+    part of the update (it activates other units than the rest, so no refit absorbs it)."""
+    from fl_attack.readings import explained_residual
+
+    x, dW, db, W0, b0, _ = _dp_update(seed=0, noise_frac=0.0)
+    X = data.normalize(x, "photos32").reshape(12, -1).double()
+    total = float(dW.double().square().sum() + db.double().square().sum())
+    full, entries = explained_residual(dW, db, W0, b0, X)
+    assert full < 1e-8 * total
+    assert entries == int(((W0.double() @ X.T + b0.double()[:, None]) > 0).sum())
+    less, _ = explained_residual(dW, db, W0, b0, X[1:])
+    assert less > 1e-3 * total
+
+
+def test_both_readings_are_attacked_and_the_better_explanation_is_kept() -> None:
+    """A real gradient (B = 20, m = 200) with Gaussian noise scaled so that its weakest
+    sample's singular value lies about 1.5 noise edges up: the spectrum allows B - 1 and B
+    (at least the weakest direction lies between the margin and the edge). Both readings are
+    attacked within the one budget; the result is the reading with the smallest criterion,
+    and it reports both."""
+    from fl_attack.decompose import decompose
+    from fl_attack.validation import load_layer
+    from fl_attack.readings import criterion
+
+    x, dW, db, W0, b0, _ = _dp_update(seed=2, noise_frac=0.0, B=20)
+    gen = torch.Generator().manual_seed(0)
+    m, n = dW.shape
+    s = torch.linalg.svdvals(dW.double())
+    nu = float(s[19]) / (1.5 * (m**0.5 + n**0.5))
+    noisy = dW.double() + nu * torch.randn(m, n, generator=gen, dtype=torch.float64)
+    noisy_b = db.double() + nu * torch.randn(m, generator=gen, dtype=torch.float64)
+    values = decompose(noisy, floor_rtol=1e-13).readings()
+    assert len(values) == 2 and values[1] >= 20 > values[0]
+    rec = fl_attack.invert(noisy, noisy_b, weight=W0, bias=b0, seed=0, max_seconds=20)
+    assert rec.batch_size_readings == values and rec.batch_size in values
+    assert len(rec.reading_scores) == 2
+    assert rec.reading_scores[values.index(rec.batch_size)] == min(rec.reading_scores)
+    layer = load_layer(noisy, noisy_b, W0, b0, None, None, fl_attack.AttackConfig())
+    assert abs(criterion(rec, layer) - min(rec.reading_scores)) <= 1e-9 * min(rec.reading_scores)
+    assert rec.inputs.shape == (rec.batch_size, n) and not rec.exact
+    assert rec.as_dict()["batch_size_readings"] == list(values)
