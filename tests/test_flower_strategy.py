@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from fl_attack.data import load_images, normalize
 from fl_attack.models import relu_mlp
 from fl_attack.simulate import local_update
-from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
+from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth, verdicts
 
 DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100
 
@@ -401,3 +401,16 @@ def test_a_full_background_queue_skips_replies_and_says_why(world: dict,
     statuses = sorted(r.status for r in audited.records)
     assert metrics["audit-submitted"] == 1 and statuses.count("skipped") == 2
     assert all("queue is full" in r.reason for r in audited.records if r.status == "skipped")
+
+
+def test_a_noisy_verdict_names_the_batch_size_readings() -> None:
+    """Under noise the attack may try two batch sizes (``fl_attack.readings``): the recorded
+    reason says which ones and which was kept, so an auditor can tell why B differs from the
+    client's batch; with one reading the reason is unchanged."""
+    summary = {"batch_size": 20, "n_directions": 20, "exact": False,
+               "sparsity_match": 0.9731, "batch_size_readings": [17, 20]}
+    status, reason = verdicts.reconstruction_verdict(summary)
+    assert status == verdicts.NOT_CERTIFIED
+    assert reason is not None and "B = 17 or 20" in reason and "B = 20 explained" in reason
+    _, plain = verdicts.reconstruction_verdict({**summary, "batch_size_readings": []})
+    assert plain is not None and "readings" not in plain and "17" not in plain

@@ -148,8 +148,8 @@ def test_both_readings_are_attacked_and_the_better_explanation_is_kept() -> None
     attacked within the one budget; the result is the reading with the smallest criterion,
     and it reports both."""
     from fl_attack.decompose import decompose
-    from fl_attack.validation import load_layer
     from fl_attack.readings import criterion
+    from fl_attack.validation import load_layer
 
     x, dW, db, W0, b0, _ = _dp_update(seed=2, noise_frac=0.0, B=20)
     gen = torch.Generator().manual_seed(0)
