@@ -54,6 +54,8 @@ def run_setting(B: int, m: int, batches: int, dataset: str, max_seconds: float |
         exact += int(rec.exact)
         print(f"  B={B} m={m} batch {seed}: PSNR {score.mean_psnr:6.1f}  λ={rec.sparsity_match:.4f}"
               f"  found {rec.n_directions}/{rec.batch_size}  {secs[-1]:.1f}s"
+              f"  {'certified' if rec.exact else 'not certified'}"
+              + ("  (budget spent)" if rec.budget_exhausted else "")
               + (f"  ({rec.chance_zeros} chance zeros)" if rec.chance_zeros else "")
               + (f"  (peeled {rec.peeled})" if next_layer else ""), flush=True)
     return {
