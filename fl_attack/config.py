@@ -241,10 +241,10 @@ class AttackConfig:
             raise ValueError(f"logcosh_alpha must be > 0, got {self.logcosh_alpha}")
         if not 0 < self.dedupe_tol < 1:
             raise ValueError(f"dedupe_tol must lie in (0, 1), got {self.dedupe_tol}")
-        if self.irls is not None and not isinstance(self.irls, bool):
-            raise ValueError(f"irls must be True, False or None, got {self.irls!r}")
-        if self.slice_first is not None and not isinstance(self.slice_first, bool):
-            raise ValueError(f"slice_first must be True, False or None, got {self.slice_first!r}")
+        for name in ("irls", "slice_first"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
         if isinstance(self.noise, str):
             if self.noise != "auto":
                 raise ValueError(f"noise must be 'auto' or a number >= 0, got {self.noise!r}")

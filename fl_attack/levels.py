@@ -121,8 +121,8 @@ class _Found:
 
 
 def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
-          generator: torch.Generator, clock: Clock, *, rows2: torch.Tensor | None = None,
-          dec: Decomposition | None = None, seeds: torch.Tensor | None = None) -> _Found:
+          generator: torch.Generator, clock: Clock, *, dec: Decomposition,
+          rows2: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> _Found:
     """Search the columns of (G, g); with the next layer, peel the verified samples off and
     solve the smaller batch that is left the same way (recursively).
 
@@ -132,19 +132,15 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         This level's gradient (the layer's, less the samples peeled above).
     layer
         The layer (weight, bias, next layer's gradient, precision, device).
+    dec
+        This level's decomposition: the gradient's (``invert_output``, at one batch-size
+        reading) or, below the first level, the one the level above derived (``peel.reduced``).
     rows2 : (B, m), optional
         The next layer's activation span (computed at the first level).
-    dec
-        This level's decomposition, when the level above derived it (``peel.reduced``).
     seeds : (m, P), optional
         The upper level's candidates as ∂L/∂Z directions; those in this level's column space
         start its pool.
     """
-    t0 = time.perf_counter()
-    if dec is None:
-        dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                        floor_rtol=rank_floor(layer.precision))
-    clock.tick("decompose", t0)
     zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
     system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
                          subset=cfg.update == "fedavg")
