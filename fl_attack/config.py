@@ -241,7 +241,7 @@ class AttackConfig:
             raise ValueError(f"logcosh_alpha must be > 0, got {self.logcosh_alpha}")
         if not 0 < self.dedupe_tol < 1:
             raise ValueError(f"dedupe_tol must lie in (0, 1), got {self.dedupe_tol}")
-        for name in ("irls", "slice_first"):
+        for name in ("alternate", "irls", "slice_first"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")

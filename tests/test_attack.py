@@ -302,6 +302,8 @@ def test_unknown_options(layer) -> None:
     assert fl_attack.AttackConfig(verify_dim=0).verify_dim == 0  # 0: the check is off
     with pytest.raises(ValueError, match="slice_first must be True, False or None"):
         fl_attack.AttackConfig(slice_first="yes")
+    with pytest.raises(ValueError, match="alternate must be True, False or None"):
+        fl_attack.AttackConfig(alternate="yes")
 
 
 def test_tau_binomial_tail() -> None:
