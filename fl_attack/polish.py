@@ -34,6 +34,12 @@ give the same kernels up to rounding (unit-tested); the exact decomposition is k
 costs nothing.
 """
 
+EXTRA_PASSES = 2
+"""Passes after the second for the columns whose zero rows still changed. A first pass on
+B - 1 rows can be off by 1e-4 of a column's largest entry, enough to admit a non-zero row
+into the second pass's zeros; that column is then off by as much, and its wrong zero breaks
+λ = 1 at (150, 4000). One more pass on the corrected zeros reaches float precision."""
+
 
 def max_leverage(L: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor,
                  chunk_elems: int | None = None) -> torch.Tensor:
@@ -94,25 +100,36 @@ def polish(
     n_rows = max(min(n_rows, m - 1), B - 1)
     idx = V.abs().topk(n_rows, dim=0, largest=False).indices
     mask = torch.zeros_like(V, dtype=torch.bool).scatter_(0, idx, True)
-    face_dim = None
-    new_mask = mask
-    for _ in range(2):
-        eig_tol = mask.sum(dim=0).to(L.dtype) * (zero_rtol**2) / m
-        if B > EIGH_UP_TO:
-            Q, kdim = masked_kernels(L, mask, Q, eig_tol)
-        else:
-            vals, vecs = masked_gram_eigh(L, mask)
-            Q, kdim = project_to_kernel(Q, vals, vecs, eig_tol)
-        face_dim = kdim if face_dim is None else face_dim
-        V = L @ Q
-        new_mask = zero_mask(V, zero_rtol)
-        enough = new_mask.sum(dim=0) >= B - 1
-        mask = torch.where(enough[None], new_mask, mask)
+    Q, face_dim = _kernel_pass(L, mask, Q, zero_rtol)
+    kdim = face_dim.clone()
+    cols = torch.arange(Q.shape[1], device=L.device)
+    for extra in range(1 + EXTRA_PASSES):  # the second pass for all, then while zeros change
+        zeros = zero_mask(L @ Q[:, cols], zero_rtol)
+        enough = zeros.sum(dim=0) >= B - 1
+        changed = enough & (zeros != mask[:, cols]).any(dim=0)
+        mask[:, cols[enough]] = zeros[:, enough]
+        if extra:
+            cols = cols[changed]
+        if not cols.numel():
+            break
+        Q[:, cols], kdim[cols] = _kernel_pass(L, mask[:, cols], Q[:, cols], zero_rtol)
+    new_mask = zero_mask(L @ Q, zero_rtol)
     lev = max_leverage(L, Q, mask)
     lev[kdim > 1] = 1.0  # still inside a face: a mixture of samples, not a column
     # the zeros the rounded direction has, not the rows it was fitted on: a least-squares
     # fit to rows that are no sample's zeros (n_rows can exceed a narrow layer's τ m) has none
     return Q, new_mask.sum(dim=0), face_dim, lev
+
+
+def _kernel_pass(L: torch.Tensor, mask: torch.Tensor, Q: torch.Tensor,
+                 zero_rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each column of ``Q`` projected onto the kernel of L on its rows ``mask``: (unit
+    columns, kernel dimensions)."""
+    eig_tol = mask.sum(dim=0).to(L.dtype) * (zero_rtol**2) / L.shape[0]
+    if L.shape[1] > EIGH_UP_TO:
+        return masked_kernels(L, mask, Q, eig_tol)
+    vals, vecs = masked_gram_eigh(L, mask)
+    return project_to_kernel(Q, vals, vecs, eig_tol)
 
 
 def irls_round(
