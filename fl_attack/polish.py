@@ -36,9 +36,10 @@ costs nothing.
 
 EXTRA_PASSES = 2
 """Passes after the second for the columns whose zero rows still changed. A first pass on
-B - 1 rows can be off by 1e-4 of a column's largest entry, enough to admit a non-zero row
-into the second pass's zeros; that column is then off by as much, and its wrong zero breaks
-λ = 1 at (150, 4000). One more pass on the corrected zeros reaches float precision."""
+the smallest rows can leave a column off by 1e-4 of its largest entry, enough to admit a
+non-zero row into the second pass's zeros (or drop a zero one); that column is then off by as
+much, and its wrong zero breaks λ = 1 at (150, 4000). One more pass on the corrected zeros
+reaches float precision."""
 
 
 def max_leverage(L: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor,
@@ -102,18 +103,18 @@ def polish(
     mask = torch.zeros_like(V, dtype=torch.bool).scatter_(0, idx, True)
     Q, face_dim = _kernel_pass(L, mask, Q, zero_rtol)
     kdim = face_dim.clone()
+    new_mask = torch.empty_like(mask)  # the zeros of each column's latest fit
     cols = torch.arange(Q.shape[1], device=L.device)
-    for extra in range(1 + EXTRA_PASSES):  # the second pass for all, then while zeros change
-        zeros = zero_mask(L @ Q[:, cols], zero_rtol)
+    for extra in range(EXTRA_PASSES + 2):  # the second pass for all, then while zeros change
+        new_mask[:, cols] = zeros = zero_mask(L @ Q[:, cols], zero_rtol)
         enough = zeros.sum(dim=0) >= B - 1
         changed = enough & (zeros != mask[:, cols]).any(dim=0)
         mask[:, cols[enough]] = zeros[:, enough]
         if extra:
             cols = cols[changed]
-        if not cols.numel():
+        if not cols.numel() or extra > EXTRA_PASSES:
             break
         Q[:, cols], kdim[cols] = _kernel_pass(L, mask[:, cols], Q[:, cols], zero_rtol)
-    new_mask = zero_mask(L @ Q, zero_rtol)
     lev = max_leverage(L, Q, mask)
     lev[kdim > 1] = 1.0  # still inside a face: a mixture of samples, not a column
     # the zeros the rounded direction has, not the rows it was fitted on: a least-squares
