@@ -159,27 +159,21 @@ def complete_missing(
     return pattern_kernels(L, mask, zero_rtol, deadline=deadline, row_noise=row_noise)
 
 
-def slice_row_sets(h: torch.Tensor, B: int, fractions: tuple[float, ...],
-                   multiples: tuple[float, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_row_sets(h: torch.Tensor, B: int,
+                   fractions: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The row sets of :func:`sample_missing` at pre-activations ``h`` (m, S): each point's rows
     ordered most negative first (``idx`` (w, S)) and, per row rule, how many of them the set
-    takes (``lengths`` (1 + len(multiples) + len(fractions), S), non-decreasing down the rules
-    for every point): its B most negative rows, its ``multiples`` x B most negative rows, and
-    ``fractions`` of its negative rows (at least B), never a row with h > 0. The sets of a
-    point are prefixes of one order, hence nested.
+    takes (``lengths`` (1 + len(fractions), S), non-decreasing down the rules): its B most
+    negative rows, then ``fractions`` of its negative rows (at least B), never a row with
+    h > 0. The sets of a point are prefixes of one order, hence nested.
     """
     if list(fractions) != sorted(fractions):
         raise ValueError(f"fractions must be non-decreasing (nested row sets), got {fractions}")
-    if any(not c > 1 for c in multiples):
-        raise ValueError(f"multiples must be > 1 (B rows is the first rule), got {multiples}")
     m = h.shape[0]
     negative = (h <= 0).sum(dim=0)
     sizes = [torch.full_like(negative, B)]
-    sizes += [torch.full_like(negative, min(math.ceil(c * B), m - 1)) for c in multiples]
-    # a multiple may exceed a fraction of a point's negative rows: sorting keeps the nesting
     sizes += [(f * negative).ceil().long().clamp(B, m - 1) for f in fractions]
     lengths = torch.stack([torch.minimum(n, negative) for n in sizes])
-    lengths = torch.sort(lengths, dim=0).values
     top = max(int(lengths.max()), 1)
     idx = h.topk(top, dim=0, largest=False).indices  # (top, S), most negative first
     return idx, lengths
@@ -288,7 +282,6 @@ def sample_missing(
     n_samples: int = 2048,
     radius: tuple[float, float] = (1.0, 100.0),
     fractions: tuple[float, ...] = (0.6, 0.75),
-    multiples: tuple[float, ...] = (),
     deadline: float | None = None,
     row_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -298,11 +291,10 @@ def sample_missing(
     point of the slice dominated by the missing sample i, the *most negative* pre-activations
     are rows where sample i is surely inactive: a subset of the zero rows of column i, so the
     kernel of L on such a row set is that column exactly once the set is large enough to
-    exclude the samples whose patterns are like i's. Each point gives its B most negative rows,
-    its ``multiples`` x B most negative rows (where the B rows are inactive for several
-    samples, a face, a few more rows single the column out) and the most negative
-    ``fractions`` of its negative rows (for a cluster of similar samples the B-row sets only
-    give their common faces; the larger sets exclude the similar samples).
+    exclude the samples whose patterns are like i's. Each point gives three row sets: its B
+    most negative rows, and the most negative ``fractions`` of its negative rows (for a cluster
+    of similar samples the B-row sets only give their common faces; the larger sets exclude the
+    similar samples).
     Most other row sets have no kernel and are dropped; some vanish on a mixture of samples,
     which is why the caller polishes, filters and selects the candidates like any others.
     Points are drawn uniformly in balls of radii log-uniform in ``radius`` x the slice's
@@ -319,9 +311,9 @@ def sample_missing(
         As for :func:`complete_missing`.
     generator
         Draws the points.
-    n_samples, radius, fractions, multiples
+    n_samples, radius, fractions
         Points per call, their distance range (in units of the slice's distance to 0) and the
-        row rules (shares of each point's negative rows, multiples > 1 of B rows).
+        row rules (shares of each point's negative rows).
 
     Returns
     -------
@@ -348,6 +340,6 @@ def sample_missing(
                                                   dtype=torch.float64))
         w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
-    idx, lengths = slice_row_sets(h, B, fractions, multiples)
+    idx, lengths = slice_row_sets(h, B, fractions)
     Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline, row_noise=row_noise)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q

@@ -266,10 +266,7 @@ def missing_candidates(ctx: SearchContext, found: torch.Tensor, *, sampled: bool
     if not sampled:
         return completion.complete_missing(ctx.system, found, row_noise=ctx.row_noise,
                                            deadline=deadline)
-    # the extra B-multiple row sets were measured on clean FedSGD gradients only
-    clean = ctx.row_noise is None and not ctx.system.subset
     return completion.sample_missing(ctx.system, found, row_noise=ctx.row_noise,
                                      generator=ctx.generator,
                                      n_samples=ctx.cfg.slice_samples or 2048,
-                                     multiples=ctx.tuning.slice_multiples if clean else (),
                                      deadline=deadline)

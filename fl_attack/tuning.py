@@ -21,14 +21,6 @@ class Tuning:
     slice_patience: int = 3
     """Slice-sampling calls on one found set (per round) before the search takes over; each
     call draws new points and its yield is random."""
-    slice_multiples: tuple[float, ...] = (1.5, 2.0)
-    """Row sets of slice sampling beyond each point's B most negative rows: its 1.5 B and 2 B
-    most negative rows (``completion.slice_row_sets``). The B most negative rows of a point
-    dominated by one missing sample are often rows where most samples are inactive, so L on
-    them has a kernel of several dimensions (a face) that does not single the column out; a
-    few more rows of the same order break it up (measured in ``experiments/results/core.md``).
-    Used on clean FedSGD gradients; under noise and on FedAvg updates, where they were not
-    measured, slice sampling keeps the B-row and fraction sets only."""
     peel_share: float = 0.5
     """With a next layer, found samples are peeled off during the completions once this share
     of B new trusted columns is there, otherwise after them (peeling right after a round's

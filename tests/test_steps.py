@@ -117,11 +117,10 @@ def test_sample_missing_recovers_many_dropped_columns() -> None:
 
 @pytest.mark.parametrize(("B", "m", "chunk"), [(30, 200, 2**25), (100, 1000, 2**22)])
 def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chunk: int) -> None:
-    """Slice sampling's nested row sets per point (B rows, 1.5 B and 2 B rows, 60% and 75% of
-    the negative rows), screened with Grams accumulated along the nesting
-    (``nested_row_set_kernels``), give exactly the kernels of screening each rule's row sets on
-    their own (``pattern_kernels`` on the deduplicated masks), also when the points are split
-    into several chunks."""
+    """Slice sampling's three nested row sets per point, screened with Grams accumulated along
+    the nesting (``nested_row_set_kernels``), give exactly the kernels of screening each
+    rule's row sets on their own (``pattern_kernels`` on the deduplicated masks), also when
+    the points are split into several chunks."""
     t = _truth(B, m, seed=1)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(0)
@@ -129,16 +128,10 @@ def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chun
     offset, Aw, dist = completion.missing_slice(system, t["Qt"][:, keep])
     w = torch.randn(512, Aw.shape[1], generator=gen, dtype=torch.float64) * dist
     h = offset[:, None] + Aw @ w.T
-    idx, lengths = completion.slice_row_sets(h, B, (0.6, 0.75), (1.5, 2.0))
-    assert lengths.shape == (5, 512)
+    idx, lengths = completion.slice_row_sets(h, B, (0.6, 0.75))
     assert bool((lengths[1:] >= lengths[:-1]).all()) and bool((lengths[0] <= B).all())
-    negative = (h <= 0).sum(dim=0)
-    assert bool((lengths.amax(dim=0) <= negative).all())  # never a row with h > 0
-    assert bool(((lengths == min(2 * B, m - 1)) | (lengths == negative)).any(dim=0).all())
     with pytest.raises(ValueError, match="non-decreasing"):  # the sets would not be nested
         completion.slice_row_sets(h, B, (0.75, 0.6))
-    with pytest.raises(ValueError, match="multiples must be > 1"):
-        completion.slice_row_sets(h, B, (0.6,), (1.0,))
     new = completion.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk)
     ranks = torch.arange(idx.shape[0])[:, None]
     old = []
