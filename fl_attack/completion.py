@@ -197,7 +197,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     Besides at each rule this is checked after ``prune_at`` x B rows (many points are full rank
     long before their largest set). Sets of at most B rows skip the screen and go to the exact
     test as they are, and no point is dropped on B rows: a point's B most negative rows are rows
-    where most samples are inactive, and the screen passes 96-99.6% of their Gram matrices on
+    where most samples are inactive, and the screen passes 95.6-99.6% of their Gram matrices on
     real batches (``experiments/results/core.md``), so its Cholesky factors would buy nothing.
     Past ``deadline`` no further chunk of points starts.
     """
@@ -265,8 +265,8 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
                 sel = at & (hi >= B - 1)
                 screen = sel & (hi > B)  # at most B rows: straight to the exact test
                 if bool(screen.any()):
-                    sel[screen.clone()] = may_have_kernel(gram[screen], hi[screen], zero_rtol,
-                                                          m, row_noise)
+                    sel[screen] = may_have_kernel(gram[screen], hi[screen], zero_rtol, m,
+                                                  row_noise)
                 if bool(sel.any()):
                     near[r].append(cols[sel])
         if stage == stops.shape[0] - 1:
