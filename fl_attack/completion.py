@@ -17,7 +17,7 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.columns import dedupe
-from fl_attack.kernels import exact_pattern_kernels, may_have_kernel, pattern_kernels
+from fl_attack.kernels import exact_pattern_kernels, known_free, may_have_kernel, pattern_kernels
 from fl_attack.scale import LayerSystem
 
 
@@ -183,7 +183,8 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
                            zero_rtol: float, chunk_elems: int = 2**25,
                            deadline: float | None = None,
                            prune_at: tuple[float, ...] = (2.0, 3.0, 5.0),
-                           row_noise: torch.Tensor | None = None) -> torch.Tensor:
+                           row_noise: torch.Tensor | None = None,
+                           known: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.pattern_kernels`` of the nested row sets of :func:`slice_row_sets` (B, c).
 
     Row set r of point p is ``idx[:lengths[r, p], p]``; sets with fewer than B - 1 rows are
@@ -199,6 +200,8 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     test as they are, and no point is dropped on B rows: a point's B most negative rows are rows
     where most samples are inactive, and the screen passes 95.6-99.6% of their Gram matrices on
     real batches (``experiments/results/core.md``), so its Cholesky factors would buy nothing.
+    Sets on which a ``known`` column (B, F) vanishes skip the exact test
+    (:func:`fl_attack.kernels.known_free`): their kernel can only give that column back.
     Past ``deadline`` no further chunk of points starts.
     """
     m, B = L.shape
@@ -227,6 +230,8 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
         sets = sets.scatter_(0, rows, True)[:m]
         if sets.shape[1] > 1:
             sets = torch.unique(sets, dim=1)
+        if known is not None:
+            sets = sets[:, known_free(L, sets, known, zero_rtol, row_noise)]
         out.append(exact_pattern_kernels(L, sets, zero_rtol, row_noise))
     return torch.cat(out, dim=1).contiguous()
 
@@ -349,5 +354,6 @@ def sample_missing(
         w = (u / u.norm(dim=1, keepdim=True) * r * s * dist).to(device=L.device, dtype=L.dtype)
     h = offset[:, None] + Aw @ w.T  # (m, S) pre-activations at the sampled points
     idx, lengths = slice_row_sets(h, B, fractions)
-    Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline, row_noise=row_noise)
+    Q = nested_row_set_kernels(L, idx, lengths, zero_rtol, deadline=deadline, row_noise=row_noise,
+                               known=found)
     return Q[:, dedupe(Q, 1e-6)] if Q.shape[1] > 1 else Q

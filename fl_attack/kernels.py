@@ -310,6 +310,27 @@ def may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
     return torch.cat(info) != 0 if info else torch.zeros(0, dtype=torch.bool, device=gram.device)
 
 
+def known_free(L: torch.Tensor, mask: torch.Tensor, known: torch.Tensor, zero_rtol: float,
+               row_noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Which row sets ``mask`` (m, P) none of the ``known`` columns (B, F) vanishes on (P,).
+
+    A known column q with ‖L_S q‖² within the exact test's tolerance lies in the kernel of L on
+    the rows S, so that kernel is q itself or at least two-dimensional: the set can give no
+    column but q, and the exact test need not see it. Under noise q's tolerance is the one its
+    own Ritz vector would get (``row_noise``, :func:`_one_dim_kernels`).
+    """
+    P = mask.shape[1]
+    if known.shape[1] == 0 or P == 0:
+        return torch.ones(P, dtype=torch.bool, device=mask.device)
+    known = known / known.norm(dim=0, keepdim=True)
+    sets = mask.T.float()  # (P, m)
+    resid = sets @ (L @ known).float().square()  # (P, F): ‖L_S q‖² per set and column
+    n_rows = sets.sum(dim=1)
+    tol, noise_tol = _kernel_tols(n_rows, zero_rtol, L.shape[0], row_noise)
+    limit = tol[:, None] if noise_tol is None else noise_tol @ known.float().square()
+    return ~(resid <= limit).any(dim=1)
+
+
 def exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,
                            row_noise: torch.Tensor | None = None) -> torch.Tensor:
     """The exact test of :func:`pattern_kernels` on the row sets ``mask`` (m, P) that passed

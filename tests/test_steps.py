@@ -146,6 +146,41 @@ def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chun
     assert float(cos.max(dim=1).values.min()) > 1 - 1e-9
     assert float(cos.max(dim=0).values.min()) > 1 - 1e-9
     assert len(_hits(t["Qt"], new)) > 0  # the sets do reach true columns
+    # with the kept columns known, only their re-discoveries go; every other kernel stays
+    known = t["Qt"][:, keep]
+    skipped = completion.nested_row_set_kernels(t["L"], idx, lengths, 1e-4, chunk_elems=chunk,
+                                                known=known)
+    unit = known / known.norm(dim=0)
+    refound = (old.T @ unit).abs().max(dim=1).values > 1 - 1e-6
+    assert int(refound.sum()) > 0  # without ``known`` the sets do give known columns back
+    assert skipped.shape[1] == int((~refound).sum())
+    cos = (old[:, ~refound].T @ skipped).abs()
+    assert float(cos.max(dim=1).values.min()) > 1 - 1e-9
+    assert float(cos.max(dim=0).values.min()) > 1 - 1e-9
+
+
+def test_known_free_flags_the_sets_a_known_column_vanishes_on() -> None:
+    """A row set inside a known column's zero rows has that column in its kernel, so
+    ``known_free`` marks it (clean and under noise); one row where the column is clearly active
+    frees the set."""
+    t = _truth(30, 200, seed=1)
+    L, q = t["L"], t["Qt"][:, :1]
+    v = (L @ q)[:, 0].abs()
+    zeros = v <= 1e-6 * v.max()  # its inactive rows (float32 gradient: ~1e-7)
+    inside = zeros.nonzero()[:, 0]
+    assert inside.numel() >= 29
+    sets = torch.zeros(200, 3, dtype=torch.bool)
+    sets[inside[:29], 0] = True  # B - 1 of its zero rows
+    sets[inside[:29], 1] = True
+    sets[int(v.argmax()), 1] = True  # and the row where it is most active
+    sets[inside, 2] = True  # all its zero rows
+    others = t["Qt"][:, 1:3]  # active on some of these rows: they free no set
+    assert kernels.known_free(L, sets, others, 1e-4).tolist() == [True, True, True]
+    known = torch.cat([others, q], dim=1)
+    assert kernels.known_free(L, sets, known, 1e-4).tolist() == [False, True, False]
+    noise = torch.full((30,), 1e-3, dtype=L.dtype)
+    assert kernels.known_free(L, sets, known, 1e-4, noise).tolist() == [False, True, False]
+    assert kernels.known_free(L, sets, known[:, :0], 1e-4).tolist() == [True, True, True]
 
 
 def _similar_pair(t: dict[str, torch.Tensor], B: int) -> tuple[torch.Tensor, int, int,
