@@ -260,7 +260,7 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
             offs = lo[None, :] + ranks[:w]  # (w, k)
             inside = offs < hi[None, :]
             rows = torch.where(inside, idx[offs.clamp_max(idx.shape[0] - 1), cols[None, :]], m)
-            Lg = padded[rows.T]  # (k, w, B)
+            Lg = padded.index_select(0, rows.T.reshape(-1)).view(cols.numel(), w, B)  # (k, w, B)
             gram = gram.baddbmm_(Lg.transpose(1, 2), Lg)
         lo = hi
         for r in range(n_rules):

@@ -61,7 +61,8 @@ def gathered_rows(
             rows = torch.topk(sub.to(torch.int8), w, dim=1, sorted=False).indices  # selected first
         else:  # selected first, in row order
             rows = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :w]
-        yield cols, padded[torch.where(sub.gather(1, rows), rows, m)]
+        picked = torch.where(sub.gather(1, rows), rows, m)  # (k, w)
+        yield cols, padded.index_select(0, picked.reshape(-1)).view(*picked.shape, B)
         start = end
 
 
