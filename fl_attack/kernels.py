@@ -312,24 +312,29 @@ def may_have_kernel(gram: torch.Tensor, n_rows: torch.Tensor, zero_rtol: float,
 
 
 def known_free(L: torch.Tensor, mask: torch.Tensor, known: torch.Tensor, zero_rtol: float,
-               row_noise: torch.Tensor | None = None) -> torch.Tensor:
+               row_noise: torch.Tensor | None = None, chunk_elems: int = 2**24) -> torch.Tensor:
     """Which row sets ``mask`` (m, P) none of the ``known`` columns (B, F) vanishes on (P,).
 
     A known column q with ‖L_S q‖² within the exact test's tolerance lies in the kernel of L on
     the rows S, so that kernel is q itself or at least two-dimensional: the set can give no
     column but q, and the exact test need not see it. Under noise q's tolerance is the one its
-    own Ritz vector would get (``row_noise``, :func:`_one_dim_kernels`).
+    own Ritz vector would get (``row_noise``, :func:`_one_dim_kernels`). The sets are tested
+    ``chunk_elems`` / m at a time.
     """
-    P = mask.shape[1]
-    if known.shape[1] == 0 or P == 0:
-        return torch.ones(P, dtype=torch.bool, device=mask.device)
+    m, P = mask.shape
+    free = torch.ones(P, dtype=torch.bool, device=mask.device)
+    if known.shape[1] == 0:
+        return free
     known = known / known.norm(dim=0, keepdim=True)
-    sets = mask.T.float()  # (P, m)
-    resid = sets @ (L @ known).float().square()  # (P, F): ‖L_S q‖² per set and column
-    n_rows = sets.sum(dim=1)
-    tol, noise_tol = _kernel_tols(n_rows, zero_rtol, L.shape[0], row_noise)
-    limit = tol[:, None] if noise_tol is None else noise_tol @ known.float().square()
-    return ~(resid <= limit).any(dim=1)
+    energy = (L @ known).float().square()  # (m, F)
+    per = max(1, chunk_elems // m)
+    for start in range(0, P, per):
+        sets = mask[:, start:start + per].T.float()  # (p, m)
+        resid = sets @ energy  # (p, F): ‖L_S q‖² per set and column
+        tol, noise_tol = _kernel_tols(sets.sum(dim=1), zero_rtol, m, row_noise)
+        limit = tol[:, None] if noise_tol is None else noise_tol @ known.float().square()
+        free[start:start + per] = ~(resid <= limit).any(dim=1)
+    return free
 
 
 def exact_pattern_kernels(L: torch.Tensor, mask: torch.Tensor, zero_rtol: float,

@@ -174,13 +174,15 @@ def test_known_free_flags_the_sets_a_known_column_vanishes_on() -> None:
     sets[inside[:29], 1] = True
     sets[int(v.argmax()), 1] = True  # and the row where it is most active
     sets[inside, 2] = True  # all its zero rows
-    others = t["Qt"][:, 1:3]  # active on some of these rows: they free no set
+    others = t["Qt"][:, 1:3]  # two columns that vanish on none of these sets
     assert kernels.known_free(L, sets, others, 1e-4).tolist() == [True, True, True]
     known = torch.cat([others, q], dim=1)
     assert kernels.known_free(L, sets, known, 1e-4).tolist() == [False, True, False]
     noise = torch.full((30,), 1e-3, dtype=L.dtype)
     assert kernels.known_free(L, sets, known, 1e-4, noise).tolist() == [False, True, False]
     assert kernels.known_free(L, sets, known[:, :0], 1e-4).tolist() == [True, True, True]
+    chunked = kernels.known_free(L, sets, known, 1e-4, chunk_elems=200)  # one set at a time
+    assert chunked.tolist() == [False, True, False]
 
 
 def _similar_pair(t: dict[str, torch.Tensor], B: int) -> tuple[torch.Tensor, int, int,
