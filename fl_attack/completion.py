@@ -17,7 +17,13 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.columns import dedupe
-from fl_attack.kernels import exact_pattern_kernels, known_free, may_have_kernel, pattern_kernels
+from fl_attack.kernels import (
+    exact_pattern_kernels,
+    known_free,
+    may_have_kernel,
+    pattern_kernels,
+    take_rows,
+)
 from fl_attack.scale import LayerSystem
 
 
@@ -260,7 +266,7 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
             offs = lo[None, :] + ranks[:w]  # (w, k)
             inside = offs < hi[None, :]
             rows = torch.where(inside, idx[offs.clamp_max(idx.shape[0] - 1), cols[None, :]], m)
-            Lg = padded.index_select(0, rows.T.reshape(-1)).view(cols.numel(), w, B)  # (k, w, B)
+            Lg = take_rows(padded, rows.T)  # (k, w, B)
             gram = gram.baddbmm_(Lg.transpose(1, 2), Lg)
         lo = hi
         for r in range(n_rules):

@@ -29,6 +29,15 @@ def default_chunk(device: torch.device) -> int:
     return 2**22 if device.type == "cpu" else 2**25
 
 
+def take_rows(padded: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` (k, w) of ``padded`` (m + 1, B), as (k, w, B).
+
+    ``index_select`` on the flattened index: the same values as ``padded[rows]``, about 3x
+    faster for float32 on the CPU (``experiments/results/core.md``).
+    """
+    return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, padded.shape[1])
+
+
 def gathered_rows(
     L: torch.Tensor, mask: torch.Tensor, chunk_elems: int = 2**25, *, sort: bool = True
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,8 +70,7 @@ def gathered_rows(
             rows = torch.topk(sub.to(torch.int8), w, dim=1, sorted=False).indices  # selected first
         else:  # selected first, in row order
             rows = torch.argsort((~sub).to(torch.int8), dim=1, stable=True)[:, :w]
-        picked = torch.where(sub.gather(1, rows), rows, m)  # (k, w)
-        yield cols, padded.index_select(0, picked.reshape(-1)).view(*picked.shape, B)
+        yield cols, take_rows(padded, torch.where(sub.gather(1, rows), rows, m))
         start = end
 
 
@@ -327,12 +335,13 @@ def known_free(L: torch.Tensor, mask: torch.Tensor, known: torch.Tensor, zero_rt
         return free
     known = known / known.norm(dim=0, keepdim=True)
     energy = (L @ known).float().square()  # (m, F)
+    weights = known.float().square()  # (B, F): under noise, q's tolerance per coordinate
     per = max(1, chunk_elems // m)
     for start in range(0, P, per):
         sets = mask[:, start:start + per].T.float()  # (p, m)
         resid = sets @ energy  # (p, F): ‖L_S q‖² per set and column
         tol, noise_tol = _kernel_tols(sets.sum(dim=1), zero_rtol, m, row_noise)
-        limit = tol[:, None] if noise_tol is None else noise_tol @ known.float().square()
+        limit = tol[:, None] if noise_tol is None else noise_tol @ weights
         free[start:start + per] = ~(resid <= limit).any(dim=1)
     return free
 
