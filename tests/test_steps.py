@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.optimize import linprog
 
 from fl_attack import (
     certify,
@@ -216,9 +218,10 @@ def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
 
 
 def test_constraint_generation_gives_the_full_lp_margin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The margins found by constraint generation (``feasibility.max_margin``, a few hundred of
-    the m rows) equal those of the LP over every row, for true columns (margin ≥ 0), the
-    mixture of two similar samples and its partner (margins < 0)."""
+    """The margins found by constraint generation (``feasibility.max_margin``: one warm-started
+    HiGHS model, a few hundred of the m rows) equal those of the LP over every row solved from
+    scratch by ``scipy.optimize.linprog``, for true columns (margin ≥ 0), the mixture of two
+    similar samples and its partner (margins < 0); also when the round cap adds every row."""
     t = _truth(30, 200, seed=0)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     Qt, i, j, mix = _similar_pair(t, 30)
@@ -226,11 +229,21 @@ def test_constraint_generation_gives_the_full_lp_margin(monkeypatch: pytest.Monk
     cols = torch.cat([Qt[:, keep], mix[:, None]], dim=1)
     got = feasibility.pattern_margins(cols, system)
     one_lp = feasibility.max_margin
-    monkeypatch.setattr(feasibility, "max_margin",  # one LP over every row
-                        lambda A, b: one_lp(A, b, start=A.shape[0]))
+
+    def full_lp(A: np.ndarray, b: np.ndarray) -> float | None:
+        n, d = A.shape
+        res = linprog(np.r_[np.zeros(d), -1.0], A_ub=np.c_[A, np.ones(n)], b_ub=b,
+                      bounds=[(None, None)] * d + [(None, 1.0)], method="highs")
+        return float(res.x[-1]) if res.status == 0 else None
+
+    monkeypatch.setattr(feasibility, "max_margin", full_lp)
     full = feasibility.pattern_margins(cols, system)
-    assert not bool(got.isnan().any() or full.isnan().any())
+    monkeypatch.setattr(feasibility, "max_margin",  # a few rows, then every row at round 2
+                        lambda A, b: one_lp(A, b, start=5, grow=5, max_rounds=2))
+    capped = feasibility.pattern_margins(cols, system)
+    assert not bool(got.isnan().any() or full.isnan().any() or capped.isnan().any())
     assert float((got - full).abs().max()) < 1e-7, (got, full)
+    assert float((capped - full).abs().max()) < 1e-7, (capped, full)
     assert float(full.min()) < feasibility.FAIL_MARGIN < float(full.max())  # both kinds present
 
 
