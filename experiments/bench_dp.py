@@ -6,10 +6,11 @@ with ``protocol="dpsgd"``): per-sample clipping at ``C`` and Gaussian noise whos
 first-layer gradient. The papers chose σ "≈ the median |gradient entry|" (SPEAR App. E.6)
 without saying where the noise is added: on the averaged gradient that is ``f = 1`` (the
 issue's target, B = 20, m = 200: ≥ 90% of batches above 25 dB); on the summed gradient, where
-DP-SGD (and Opacus) adds it, it is ``f = 1/B`` (0.05 at B = 20). The server attacks the first layer of ``relu_mlp(3072, m, 3)`` from the weights the
-client sends back: ``(W0 − W1, b0 − b1)`` with ``weight=W0, bias=b0`` (the learning rate cancels).
-Batches are real CIFAR-shaped photo crops (``data.sample_batch("photos32", B, seed)``); PSNR is
-the matched per-sample PSNR of the denormalised images (``metrics.score_batch``).
+DP-SGD (and Opacus) adds it, it is ``f = 1/B`` (0.05 at B = 20). The server attacks the first
+layer of ``relu_mlp(3072, m, 3)`` from the weights the client sends back: ``(W0 − W1, b0 − b1)``
+with ``weight=W0, bias=b0`` (the learning rate cancels). Batches are real CIFAR-shaped photo
+crops (``data.sample_batch("photos32", B, seed)``); PSNR is the matched per-sample PSNR of the
+denormalised images (``metrics.score_batch``).
 
     python -m experiments.bench_dp --settings 20x200 --batches 3 --max-seconds 30
     python -m experiments.bench_dp --settings 150x4000 --clips 1 --fracs 0,1 --batches 1
