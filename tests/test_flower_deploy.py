@@ -22,6 +22,7 @@ from types import ModuleType
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from fl_attack_flwr.run_config import DEFAULT_RUN_CONFIG
 
@@ -108,7 +109,7 @@ def test_deploy_local_fails_when_the_server_fails(tmp_path: Path) -> None:
     assert _flower_processes(tag) == set()
 
 
-FLWR_VERSION = "1.41.0"  # the pinned flwr of pyproject.toml
+FLWR_VERSION = "1.41.0"  # the Flower of the Makefile's venv and of the images
 
 
 def _compose_override() -> ModuleType:
@@ -261,7 +262,8 @@ def _requirements(path: Path) -> list[str]:
 
 
 def test_image_requirements_mirror_pyproject() -> None:
-    """docker/requirements.txt lists pyproject's dependencies (flwr without the Ray extra)."""
+    """docker/requirements.txt lists pyproject's dependencies; Flower is pinned there to one
+    release of pyproject's range (without the Ray extra, with the dp extra's dp-accounting)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = {re.sub(r"\[[^]]*\]", "", dep).replace(" ", "") for dep in project["dependencies"]}
     have = _requirements(ROOT / "docker" / "requirements.txt")
@@ -269,12 +271,16 @@ def test_image_requirements_mirror_pyproject() -> None:
     for dep in wanted:
         name = re.split(r"[<>=!~]", dep)[0]
         assert name in names, f"{name} missing from docker/requirements.txt"
-        if name not in ("torch", "torchvision"):  # pinned there to the Makefile's pair
+        if name == "flwr":
+            assert SpecifierSet(dep[len(name):]).contains(FLWR_VERSION), dep
+        elif name not in ("torch", "torchvision"):  # pinned there to the Makefile's pair
             assert dep in have, f"{dep}: docker/requirements.txt differs"
     makefile = (ROOT / "Makefile").read_text()
     for pin in (r for r in have if r.startswith(("torch==", "torchvision=="))):
         assert pin in makefile
     assert f"flwr=={FLWR_VERSION}" in have
+    assert f"FLWR_VERSION ?= {FLWR_VERSION}" in makefile
+    assert "dp-accounting" in names  # Flower's `dp` extra (its privacy accountant)
     nodeps = _requirements(ROOT / "docker" / "requirements-nodeps.txt")
     assert all(pin in makefile for pin in nodeps) and nodeps
 

@@ -150,7 +150,7 @@ def test_a_memory_cap_gives_out_of_memory_and_the_pool_goes_on(job: AttackJob) -
     pool = PoolExecutor(1, timeout=300)
     try:
         out = pool.submit(capped).result(timeout=300)
-        assert out["status"] == verdicts.OUT_OF_MEMORY
+        assert out["status"] == verdicts.OUT_OF_MEMORY, out["error"]
         # the worker reported it and was replaced by a fresh one, which runs the next attack
         assert pool.submit(job).result(timeout=300)["status"] in verdicts.RECONSTRUCTED
     finally:
