@@ -1,7 +1,8 @@
 """The ``ClientApp``: an ordinary Flower client training a ReLU MLP on its share of real images.
 
 Each round the client draws ``batch-size`` samples from its partition and trains on them with the
-configured protocol (the same code the experiments use, :func:`fl_attack.simulate.local_update`):
+configured protocol (the same code the experiments use,
+:func:`fl_attack.testbed.simulate.local_update`):
 
 * ``fedsgd``: one SGD step on the whole batch;
 * ``fedavg``: ``local-epochs`` epochs of mini-batch SGD (``mini-batch-size``, ``lr``);
@@ -89,7 +90,7 @@ def _partition_of(context: Context) -> tuple[int, int]:
 @functools.lru_cache(maxsize=2)
 def _dataset(name: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All ``size`` images of ``name`` in ``[0, 1]`` (cached per process: Ray actors persist)."""
-    from fl_attack.data import load_images
+    from fl_attack.testbed.data import load_images
 
     return load_images(name, size if size > 0 else None, seed=seed)
 
@@ -103,8 +104,8 @@ def _shards(name: str, size: int, seed: int, nparts: int, scheme: str,
 
 def _model(cfg: Mapping[str, Any], arrays: ArrayRecord) -> torch.nn.Module:
     """The global model: a ReLU MLP of the configured shape with the received weights."""
-    from fl_attack.data import image_shape
-    from fl_attack.models import relu_mlp
+    from fl_attack.testbed.data import image_shape
+    from fl_attack.testbed.models import relu_mlp
 
     in_features = int(np.prod(image_shape(str(cfg["dataset"]))))
     model = relu_mlp(in_features, int(cfg["width"]), int(cfg["depth"]), NUM_CLASSES)
@@ -115,7 +116,7 @@ def _model(cfg: Mapping[str, Any], arrays: ArrayRecord) -> torch.nn.Module:
 def _local_data(cfg: Mapping[str, Any], context: Context, server_round: int,
                 *, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, int]:
     """This round's sample indices, normalised inputs and labels; plus the partition id."""
-    from fl_attack.data import normalize
+    from fl_attack.testbed.data import normalize
 
     pid, nparts = _partition_of(context)
     name, size, seed = str(cfg["dataset"]), int(cfg["dataset-size"]), int(cfg["data-seed"])
@@ -143,10 +144,7 @@ def _cumulative_epsilon(context: Context, noise: float, rate: float, steps: int,
     """
     from opacus.accountants import RDPAccountant
 
-    try:
-        from fl_attack.simulate import _RDP_ALPHAS as alphas
-    except ImportError:  # pragma: no cover - older library
-        alphas = None
+    from fl_attack.testbed.dpsgd import RDP_ALPHAS
     hist = context.state.config_records.get("dp-history")
     if hist is None:
         hist = ConfigRecord({"noise": [], "rate": [], "steps": []})
@@ -163,8 +161,7 @@ def _cumulative_epsilon(context: Context, noise: float, rate: float, steps: int,
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
-        return float(acc.get_epsilon(delta=delta, alphas=alphas) if alphas
-                     else acc.get_epsilon(delta=delta))
+        return float(acc.get_epsilon(delta=delta, alphas=RDP_ALPHAS))
 
 
 def _inject(mode: str, arrays: ArrayRecord, global_arrays: ArrayRecord) -> ArrayRecord:
@@ -185,7 +182,7 @@ def _inject(mode: str, arrays: ArrayRecord, global_arrays: ArrayRecord) -> Array
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on this round's batch and reply with the new weights (see module docstring)."""
-    from fl_attack.simulate import local_update
+    from fl_attack.testbed.simulate import local_update
 
     cfg = client_config(msg, context)
     torch.set_num_threads(max(1, int(cfg["client-threads"])))

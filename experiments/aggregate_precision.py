@@ -37,9 +37,9 @@ def aggregates(clients: int, batch: int, width: int, seed: int) -> tuple[dict, d
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-    from fl_attack.data import load_images, normalize
-    from fl_attack.models import relu_mlp
-    from fl_attack.simulate import local_update
+    from fl_attack.testbed.data import load_images, normalize
+    from fl_attack.testbed.models import relu_mlp
+    from fl_attack.testbed.simulate import local_update
 
     images, labels = load_images("photos32", 1000, seed=0)
     idx = torch.randperm(1000, generator=torch.Generator().manual_seed(seed))[:clients * batch]
@@ -59,8 +59,8 @@ def aggregates(clients: int, batch: int, width: int, seed: int) -> tuple[dict, d
 def attack(w0: dict, avg: dict, originals: torch.Tensor, max_seconds: float) -> dict:
     """Invert ``W0 − avg`` of the first layer as one batch; certificate and PSNR per sample."""
     from fl_attack import invert
-    from fl_attack.data import denormalize
-    from fl_attack.metrics import score_batch
+    from fl_attack.testbed.data import denormalize
+    from fl_attack.testbed.metrics import score_batch
 
     wk, bk = list(w0)[:2]
     rec = invert(w0[wk].double() - avg[wk].double(), w0[bk].double() - avg[bk].double(),

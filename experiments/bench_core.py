@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import fl_attack
-from fl_attack import data, metrics, models
+from fl_attack.testbed import data, metrics, models
 
 PAPER = {  # SPEAR++ §5.1 (ℓ1, RAdam): PSNR / accuracy %
     (20, 200): (121.0, 95), (25, 200): (96.0, 77), (30, 200): (41.7, 25),

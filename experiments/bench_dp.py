@@ -1,6 +1,6 @@
 """Benchmark of the attack on DP-SGD updates (SPEAR App. E.6, SPEAR++ §5.2): PSNR, B, (ε, δ).
 
-Each client update is one Opacus DP-SGD step on the whole batch (``fl_attack.simulate.local_update``
+Each client update is one Opacus DP-SGD step on the whole batch (``fl_attack.testbed.simulate.local_update``
 with ``protocol="dpsgd"``): per-sample clipping at ``C`` and Gaussian noise whose std on the
 *averaged* gradient is a fraction ``f`` of the median |entry| of that batch's clipped mean
 first-layer gradient. The papers chose σ "≈ the median |gradient entry|" (SPEAR App. E.6)
@@ -28,7 +28,6 @@ interrupted run keeps what it measured). :mod:`experiments.bench_fedavg` reuses 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import math
 import os
@@ -36,7 +35,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +43,8 @@ import torch
 
 import fl_attack
 from experiments.common import add_run_args, check_run_args, cpu_name
-from fl_attack import data, metrics, models, simulate, updates
+from fl_attack import updates
+from fl_attack.testbed import data, dpsgd, metrics, models, simulate
 
 DATASET = "photos32"
 RESULTS = Path(__file__).parent / "results" / "dp.md"
@@ -303,91 +302,13 @@ def clipped_fraction(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor,
     return above / xn.shape[0]
 
 
-ENGINES = ("auto", "opacus", "ghost")
-GHOST_ABOVE_BYTES = 2 * 1024**3
-"""``engine="auto"`` switches to ghost clipping when Opacus' per-sample gradients would need more."""
-
-
-def choose_engine(model: torch.nn.Module, batch_size: int, requested: str) -> str:
-    """``"opacus"`` (``simulate.local_update``) or ``"ghost"`` (Opacus ghost clipping).
-
-    Opacus' ``GradSampleModule`` (what ``simulate.local_update`` uses) materialises every sample's
-    gradient: B × (#parameters) floats, ≈ 27 GB for B = 150 and ``relu_mlp(3072, 4000, 3)``
-    (44 M parameters), more than a small machine has. Ghost clipping computes the same per-sample
-    norms without them (see :func:`ghost_dp_step`), so ``auto`` uses it above
-    :data:`GHOST_ABOVE_BYTES`.
-    """
-    if requested != "auto":
-        return requested
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    need = batch_size * n_params * torch.finfo(torch.float32).bits // 8
-    return "ghost" if need > GHOST_ABOVE_BYTES else "opacus"
-
-
-def ghost_dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, clip: float,
-                  noise_multiplier: float, lr: float, delta: float,
-                  seed: int) -> simulate.LocalTrainingResult:
-    """One full-batch DP-SGD step with Opacus' ghost clipping, the same update as
-    ``simulate.local_update(protocol="dpsgd")`` without per-sample gradients in memory.
-
-    Same clipping (flat over all parameters, factor ``min(1, C / (‖g_i‖ + 1e-6))``), same noise
-    (``DPOptimizer`` seeded with ``seed``: std ``noise_multiplier · C`` on the summed gradient,
-    then divided by B) and the same RDP accountant and α grid for ε. Checked against
-    ``local_update`` at B = 20, m = 200: the first-layer updates agree to one float32 ulp of W
-    (1.9e-9), with and without noise.
-    """
-    from opacus.accountants import RDPAccountant
-    from opacus.grad_sample import GradSampleModuleFastGradientClipping
-    from opacus.optimizers import DPOptimizerFastGradientClipping
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
-    local = copy.deepcopy(model)
-    local.train()
-    B = int(xn.shape[0])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Full backward hook is firing")
-        gsm = GradSampleModuleFastGradientClipping(local, batch_first=True, loss_reduction="mean",
-                                                   max_grad_norm=clip, use_ghost_clipping=True)
-        optimizer = DPOptimizerFastGradientClipping(
-            torch.optim.SGD(gsm.parameters(), lr=lr), noise_multiplier=noise_multiplier,
-            max_grad_norm=clip, expected_batch_size=B, loss_reduction="mean",
-            generator=torch.Generator().manual_seed(seed), secure_mode=False)
-        criterion = DPLossFastGradientClipping(gsm, optimizer, torch.nn.CrossEntropyLoss(),
-                                               loss_reduction="mean")
-        optimizer.zero_grad(set_to_none=True)
-        criterion(gsm(xn), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    state = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
-    for k, v in state.items():
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError(f"DP-SGD produced non-finite weights in {k!r} (lr too large?)")
-    epsilon = math.inf
-    if noise_multiplier > 0:
-        accountant = RDPAccountant()
-        accountant.step(noise_multiplier=noise_multiplier, sample_rate=1.0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
-            # the α grid local_update uses, so both engines quote the same ε
-            epsilon = float(accountant.get_epsilon(delta=delta, alphas=simulate._RDP_ALPHAS))
-    return simulate.LocalTrainingResult(state_dict=state, num_examples=B, steps=1,
-                                        epsilon=epsilon, delta=delta,
-                                        noise_std=noise_multiplier * clip / B)
-
-
 def dp_step(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, engine: str,
             clip: float, noise_multiplier: float, lr: float, delta: float,
             seed: int, epochs: int = 1) -> simulate.LocalTrainingResult:
-    """``epochs`` full-batch DP-SGD steps with the chosen engine (see :func:`choose_engine`;
-    ghost clipping does one step only)."""
-    if engine == "ghost":
-        if epochs != 1:
-            raise ValueError("the ghost-clipping engine runs one step; use engine='opacus'")
-        return ghost_dp_step(model, xn, y, clip=clip, noise_multiplier=noise_multiplier, lr=lr,
-                             delta=delta, seed=seed)
+    """``epochs`` full-batch DP-SGD steps with the chosen engine (:mod:`fl_attack.testbed.dpsgd`)."""
     return simulate.local_update(model, xn, y, protocol="dpsgd", lr=lr, max_grad_norm=clip,
                                  noise_multiplier=noise_multiplier, delta=delta, seed=seed,
-                                 epochs=epochs)
+                                 epochs=epochs, dp_engine=engine)
 
 
 def dp_updates(model: torch.nn.Module, xn: torch.Tensor, y: torch.Tensor, *, clip: float,
@@ -492,7 +413,7 @@ def run_dp(settings: Sequence[tuple[int, int]], clips: Sequence[float], fracs: S
                 x, y = data.sample_batch(dataset, B, seed=seed)
                 xn = data.normalize(x, dataset)
                 model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
-                used = choose_engine(model, B, engine) if epochs == 1 else "opacus"
+                used = dpsgd.choose_engine(model, B, engine)
                 clipped.append(clipped_fraction(model, xn, y, clip))
                 ups = dp_updates(model, xn, y, clip=clip, fracs=fracs, lr=lr, delta=delta,
                                  seed=seed, engine=used, epochs=epochs)
@@ -572,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_run_args(parser, RESULTS)
     parser.add_argument("--lr", type=float, default=0.1, help="client learning rate (cancels)")
     parser.add_argument("--delta", type=float, default=1e-5, help="δ the accountant quotes ε for")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
+    parser.add_argument("--engine", choices=dpsgd.ENGINES, default="auto",
                         help="DP-SGD implementation: opacus = simulate.local_update (per-sample "
                              "gradients), ghost = Opacus ghost clipping (same update, little "
                              "memory), auto = ghost only where per-sample gradients exceed 2 GiB")

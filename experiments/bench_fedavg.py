@@ -2,7 +2,7 @@
 
 Each client runs ``E`` local epochs of plain SGD (mini-batches of ``b_mini``, learning rate η) from
 the global ``relu_mlp(3072, m, 3)`` on one real batch of B photo crops
-(``fl_attack.simulate.local_update`` with ``protocol="fedavg"``) and sends back ``W_E``. The
+(``fl_attack.testbed.simulate.local_update`` with ``protocol="fedavg"``) and sends back ``W_E``. The
 server inverts ``(W0 − W_E, b0 − b_E)`` with ``weight=W0, bias=b0``: the same low-rank structure as
 a gradient, with ∂L/∂Z replaced by the sum of the per-step output gradients (η cancels). The
 issue's target: 5 local steps (E = 5, b_mini = B) at B = 20, m = 200 → ≥ 90% of batches above
@@ -42,7 +42,8 @@ from experiments.bench_dp import (
     verdict,
 )
 from experiments.common import add_run_args, check_run_args
-from fl_attack import data, models, simulate, updates
+from fl_attack import updates
+from fl_attack.testbed import data, models, simulate
 
 RESULTS = Path(__file__).parent / "results" / "fedavg.md"
 DEFAULT_SETTINGS = "20x200"

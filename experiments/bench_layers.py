@@ -36,10 +36,7 @@ import torch
 
 import fl_attack
 from experiments.common import cpu_name
-
-# input_layer is imported lazily by invert(); load it now with the rest, so that the code version
-# recorded at the start (code_version) is the code that runs.
-from fl_attack import data, input_layer, metrics, models  # noqa: F401
+from fl_attack.testbed import data, metrics, models
 
 RESULTS = Path(__file__).parent / "results" / "layers.md"
 SIDES = ("output", "input", "auto")
@@ -70,7 +67,7 @@ def rel_errors(inputs: torch.Tensor, X: torch.Tensor) -> tuple[torch.Tensor, tor
     """Per true input ``x`` (rows of ``X``): relative errors of the recovered rows.
 
     Returns ``(matched, nearest)``: after the optimal one-to-one assignment
-    (:func:`fl_attack.metrics.match`, inf where a true input got no row), and to the closest
+    (:func:`fl_attack.testbed.metrics.match`, inf where a true input got no row), and to the closest
     recovered row. The second counts the right samples of a partial result, where the assignment
     may pair a spurious row with a true input and shift the displaced rows along.
     """

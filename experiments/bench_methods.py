@@ -30,7 +30,7 @@ import torch
 
 import fl_attack
 from experiments.common import cpu_name
-from fl_attack import data, metrics, models
+from fl_attack.testbed import data, metrics, models
 
 METHODS = ("spear", "spear++")
 RESULTS = Path(__file__).parent / "results" / "spear_vs_spearpp.md"

@@ -3,7 +3,7 @@
 SPEAR's tabular protocol: batches of B = 16 Adult rows (6 standardised continuous features, 8
 one-hot categorical ones), the first layer of a 6-layer ReLU MLP of width 200, FedSGD gradients.
 Reported per method: discrete accuracy (argmax category right, after optimally matching rows),
-continuous MAE in original units (``fl_attack.tabular.score_tabular``: mean over the 6 continuous
+continuous MAE in original units (``fl_attack.testbed.tabular.score_tabular``: mean over the 6 continuous
 features of the absolute error in the feature's own unit — years, dollars, fnlwgt, hours), the
 share of batches certified exact (λ = 1) and the seconds per batch. Writes
 ``experiments/results/tabular.md`` (overwritten: one run per file, with its machine and date).
@@ -26,7 +26,7 @@ import torch
 
 import fl_attack
 from experiments.common import cpu_name
-from fl_attack import models, tabular
+from fl_attack.testbed import models, tabular
 
 PAPER = {"discrete_acc": 100.0, "mae": 20.4, "minutes": 0.4}  # SPEAR §6.1, Adult B = 16
 RESULTS = Path(__file__).parent / "results" / "tabular.md"
@@ -85,14 +85,14 @@ def write_report(path: Path, args: argparse.Namespace, results: dict[str, list[d
         "",
         f"Machine: {machine}.",
         "",
-        f"Setup: real UCI Adult training rows (`fl_attack.tabular`, 104 encoded columns), "
+        f"Setup: real UCI Adult training rows (`fl_attack.testbed.tabular`, 104 encoded columns), "
         f"{args.batches} batches of B = {args.batch_size} (seeds 0..{args.batches - 1}; the "
         f"same batches and models for every method), first layer of `relu_mlp(104, "
         f"{args.width}, {args.hidden}, num_classes=2)` (SPEAR's 6-layer MLP of width 200), "
         "FedSGD float32 gradients of the mean cross-entropy, `fl_attack.invert(G, g, weight=W, "
         f"bias=b, method=..., max_seconds={args.max_seconds})` with default options.",
         "",
-        "Metrics (`fl_attack.tabular.score_tabular`, rows matched to the originals by the "
+        "Metrics (`fl_attack.testbed.tabular.score_tabular`, rows matched to the originals by the "
         "Hungarian algorithm): *discrete acc* = % of (row, categorical feature) pairs whose "
         "argmax category is right, averaged over batches; *continuous MAE* = mean absolute "
         "error in original units, averaged over the 6 continuous features (age, fnlwgt, "

@@ -68,8 +68,8 @@ INDICES_METRIC = "sample-indices"
 
 def _names(cfg: dict[str, Any]) -> list[str]:
     """The model's state-dict names, in the order legacy ``Parameters`` list the arrays."""
-    from fl_attack.data import image_shape
-    from fl_attack.models import relu_mlp
+    from fl_attack.testbed.data import image_shape
+    from fl_attack.testbed.models import relu_mlp
 
     c, h, w = image_shape(str(cfg["dataset"]))
     return list(relu_mlp(c * h * w, int(cfg["width"]), int(cfg["depth"]), 10).state_dict())

@@ -166,9 +166,9 @@ def default_clip(size: Size) -> float:
     Measured once on a real batch: the clipping norm must bind for clipping to mean anything,
     and the update's norm depends on the model's width and the batch.
     """
-    from fl_attack.data import load_images, normalize
-    from fl_attack.models import relu_mlp
-    from fl_attack.simulate import local_update
+    from fl_attack.testbed.data import load_images, normalize
+    from fl_attack.testbed.models import relu_mlp
+    from fl_attack.testbed.simulate import local_update
 
     images, labels = load_images("photos32", size.dataset_size, seed=0)
     model = relu_mlp(3 * 32 * 32, size.width, 3, 10, seed=0)

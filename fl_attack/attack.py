@@ -2,7 +2,8 @@
 
 The pipeline behind it, step by step with the papers' sections, is described in
 ``docs/algorithm.md``: the output side in :mod:`fl_attack.levels`, the input side in
-:mod:`fl_attack.input_layer`, both driven by the search loop of :mod:`fl_attack.loop`.
+:mod:`fl_attack.input_layer`, both driven by the search loop of :mod:`fl_attack.loop`; the choice
+between the two for ``sparse="auto"`` in :mod:`fl_attack.sides`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import input_layer, levels
+from fl_attack import input_layer, levels, sides
 from fl_attack.clock import Clock
 from fl_attack.config import AttackConfig
 from fl_attack.result import Reconstruction, certified
@@ -94,5 +95,5 @@ def invert(
     if cfg.sparse == "input":  # the layer's inputs are the sparse factor (SPEAR §3.2)
         return input_layer.invert_inputs(layer, cfg, seed, clock)
     if cfg.sparse == "auto":
-        return input_layer.invert_auto(layer, cfg, seed, clock)
+        return sides.invert_auto(layer, cfg, seed, clock)
     return levels.invert_output(layer, cfg, seed, clock)

@@ -1,12 +1,12 @@
 """Inverting a layer through its sparse *inputs* (SPEAR §3.2, "input sparsity"):
-``sparse="input"`` and ``"auto"``.
+``sparse="input"`` (``"auto"``, which tries both sides, is :mod:`fl_attack.sides`).
 
 A linear layer preceded by a ReLU sees non-negative, sparse inputs ``x_i`` (about half of the
 entries exactly zero). Its weight gradient ``G = Σ_i g_i x_iᵀ`` (m, n), ``g_i = ∂L/∂z_i``, has
 the transpose ``Gᵀ = Σ_i x_i g_iᵀ`` (n, m) with the same structure as the usual problem with the
 roles swapped: factor ``Gᵀ = L' R'`` (rank B, :func:`~fl_attack.decompose.decompose` on ``Gᵀ``),
 then ``X = L' Q`` has sparse columns and ``[g_1 … g_B]ᵀ = Q⁻¹ R'``. The SPEAR++ search of
-``fl_attack.attack`` (which looks for sparse columns of ``L Q``) therefore runs unchanged on the
+:mod:`fl_attack.loop` (which looks for sparse columns of ``L Q``) therefore runs unchanged on the
 transposed decomposition.
 
 Scales. Directions are found up to scale: for unscaled columns ``Q̄`` the true pairs are
@@ -22,7 +22,7 @@ Certificate (input mode). With the layer's ``W`` and ``b``, ``z_i = W x_i + b`` 
 recovered inputs, and if the layer is followed by a ReLU then ``g_i = ∂L/∂y_i ⊙ 1[z_i > 0]``:
 ``g_i`` is zero exactly where ``z_i ≤ 0`` (when ``∂L/∂y`` is dense). :func:`pattern_match`
 counts, over the m B entries, those where "``z ≤ 0``" agrees with "``g`` numerically zero" (the
-same zero test, rounding band and ambiguity rule as the output-mode λ of ``fl_attack.select``),
+same zero test, rounding band and ambiguity rule as the output-mode λ of ``fl_attack.match``),
 so λ = 1 for the true batch. ``exact`` is claimed only when λ = 1 **and** all B directions were
 found **and** every ``x_i`` is non-negative up to the zero tolerance with a positive scale.
 For a layer *not* followed by a ReLU (an output layer) the certificate does not apply: λ stays
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import levels, loop
+from fl_attack import loop
 from fl_attack.clock import Clock, passed
 from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
@@ -66,16 +66,13 @@ from fl_attack.validation import LayerUpdate
 __all__ = [
     "InputMatch",
     "InputSwaps",
-    "better_side",
     "greedy_swaps",
     "input_factors",
     "input_match",
     "inverse_scales",
-    "invert_auto",
     "invert_inputs",
     "orient_nonnegative",
     "pattern_match",
-    "side_score",
     "signed_sparsity_loss",
 ]
 
@@ -381,115 +378,3 @@ def _select_inputs(ctx: SearchContext, state: SearchState, pool: CandidatePool,
             match = m_new
     clock.tick("select", t0)
     return picked
-
-
-def side_score(
-    X: torch.Tensor,
-    G: torch.Tensor,
-    W: torch.Tensor | None,
-    b: torch.Tensor | None,
-    *,
-    zero_rtol: float,
-    z_band: float = 0.0,
-) -> float:
-    """Consistency of inputs ``X`` (B, n) with a layer between two ReLUs, for either side.
-
-    Computed from ``X`` and the public ``G`` (m, n), ``W``, ``b`` only, the same way whichever
-    side produced ``X``, so that ``"auto"`` can compare the two sides' results. It is the mean of
-
-    * λ of ``X`` and its implied output gradients ``D̂ᵀ = G X⁺`` (from ``G = D̂ᵀ X``, both sides'
-      results fit G): the fraction of the m B entries where "``W x_i + b ≤ 0``" agrees with
-      "``D̂`` numerically zero" (:func:`pattern_match`; the ReLU *after* the layer); and
-    * the fraction of samples ``x_i`` with no entry below ``-zero_rtol · max|x_i|`` (the ReLU
-      *before* the layer: its outputs have no negative entry).
-
-    Both are 1 for the true batch. Neither suffices alone: at deep layers the biases dominate
-    ``z``, so wrong inputs keep a high λ, while a wrong row has negative entries; on a first
-    layer (signed inputs) the row test is 0 for both sides and λ decides. The row test counts
-    whole samples, not entries: a nearly-right mixture has only a few slightly negative
-    entries. Without ``W``, ``b`` only the row test.
-    """
-    X = X.to(G)
-    xmax = X.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny)
-    rows = float((X >= -zero_rtol * xmax).all(dim=1).double().mean())
-    if W is None or b is None:
-        return rows
-    D = (G @ torch.linalg.pinv(X)).T  # (B, m)
-    one = torch.ones(X.shape[0], dtype=X.dtype, device=X.device)
-    lam = pattern_match(X, D, one, W, b, zero_rtol=zero_rtol, z_band=z_band).value
-    return (lam + rows) / 2
-
-
-def better_side(
-    out: Reconstruction,
-    inp: Reconstruction,
-    G: torch.Tensor,
-    W: torch.Tensor | None,
-    b: torch.Tensor | None,
-    *,
-    zero_rtol: float,
-    z_band: float = 0.0,
-) -> tuple[Reconstruction, Reconstruction]:
-    """``"auto"``'s rule: which of the two sides' results to return.
-
-    Parameters
-    ----------
-    out, inp
-        The output side's and the input side's reconstructions of the same layer.
-    G : (m, n)
-        The layer's weight gradient; ``W`` (m, n) and ``b`` (m,) its parameters, or None.
-    zero_rtol, z_band
-        The tolerances of the layer's decomposition (``tolerances.tolerances``).
-
-    Returns
-    -------
-    (best, other)
-        Ordered by (certified exact, :func:`side_score`, directions found); the output side
-        on ties. Each side's own ``sparsity_match`` is not used: the two λ are computed on
-        different factorisations and do not compare (see :func:`side_score`).
-    """
-    def rank(rec: Reconstruction) -> tuple[bool, float, int]:
-        score = side_score(rec.inputs, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
-        return rec.exact, score, rec.n_directions
-
-    return (inp, out) if rank(inp) > rank(out) else (out, inp)
-
-
-def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
-                clock: Clock) -> Reconstruction:
-    """``sparse="auto"``: the output side first; if it is not exact, the input side as well.
-
-    Parameters
-    ----------
-    layer, cfg, seed, clock
-        As for :func:`invert_inputs`; ``max_seconds`` bounds the two attempts together (the
-        input side gets what the output side left, but always at least one search round).
-
-    Returns
-    -------
-    Reconstruction
-        The better of the two by :func:`better_side`; ``config.sparse`` names the side used
-        and ``timings["other_side"]`` the seconds spent on the side not returned.
-    """
-    G, W, b, precision = layer.weight_grad, layer.weight, layer.bias, layer.precision
-    out_cfg = dataclasses.replace(cfg, sparse="output")
-    out_layer = dataclasses.replace(layer, weight_grad=G.to(precision).double(),
-                                    bias_grad=layer.bias_grad.to(precision).double(),
-                                    next_weight_grad=None)
-    out = levels.invert_output(out_layer, out_cfg, seed, Clock(cfg.max_seconds))
-    if out.exact:
-        out.seconds = clock.elapsed()
-        return out
-    budget = cfg.max_seconds
-    if budget is not None:
-        budget = max(budget - clock.elapsed(), 1e-3)
-    inp = invert_inputs(layer, dataclasses.replace(cfg, max_seconds=budget), seed, Clock(budget))
-    dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                    floor_rtol=rank_floor(precision))
-    zero_rtol, z_band = tolerances(dec, cfg, precision)
-    best, other = better_side(out, inp, G, W, b, zero_rtol=zero_rtol, z_band=z_band)
-    best.budget_exhausted = out.budget_exhausted or inp.budget_exhausted
-    best.timings["other_side"] = other.seconds
-    best.seconds = clock.elapsed()
-    best.config = dataclasses.replace(best.config or cfg, max_seconds=cfg.max_seconds)
-    return best

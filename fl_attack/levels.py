@@ -29,8 +29,8 @@ from fl_attack.tolerances import rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
 
-def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
-                  clock: Clock) -> Reconstruction:
+def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
+                  dec: Decomposition | None = None) -> Reconstruction:
     """``sparse="output"``: recover the layer's inputs from the sparse columns of ∂L/∂Z.
 
     Under noise the spectrum may allow two batch sizes (``Decomposition.readings``: the
@@ -48,6 +48,8 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
         Seeds the search's random generator.
     clock
         The call's budget and timings.
+    dec
+        The decomposition of ``layer.weight_grad``, when the caller already has it.
 
     Returns
     -------
@@ -59,10 +61,11 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     ValueError
         When the gradient's rank does not identify a batch (``decompose.decompose``).
     """
-    t0 = time.perf_counter()
-    dec = decompose(layer.weight_grad, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                    floor_rtol=rank_floor(layer.precision))
-    clock.tick("decompose", t0)
+    if dec is None:
+        t0 = time.perf_counter()
+        dec = decompose(layer.weight_grad, batch_size=cfg.batch_size,
+                        rank_margin=cfg.rank_margin, floor_rtol=rank_floor(layer.precision))
+        clock.tick("decompose", t0)
     values = dec.readings()
     if len(values) == 1:
         return _invert_at(layer, cfg, seed, clock, dec)

@@ -43,9 +43,9 @@ def layer_keys(state: Mapping[str, ArrayLike]) -> list[tuple[str, str]]:
     """List the ``(weight_key, bias_key)`` pairs of the linear layers of ``state``, in order.
 
     A linear layer is a 2-d entry whose key ends in ``weight`` and whose matching ``...bias`` entry
-    exists and is 1-d with one value per output row. For ``fl_attack.models.relu_mlp`` this gives
-    ``[("1.weight", "1.bias"), ("3.weight", "3.bias"), ...]`` (index 0 is ``nn.Flatten``). Layers
-    without a bias are left out: the SPEAR attack needs the bias update to fix the scales.
+    exists and is 1-d with one value per output row. For ``fl_attack.testbed.models.relu_mlp`` this
+    gives ``[("1.weight", "1.bias"), ("3.weight", "3.bias"), ...]`` (index 0 is ``nn.Flatten``).
+    Layers without a bias are left out: the SPEAR attack needs the bias update to fix the scales.
     """
     pairs: list[tuple[str, str]] = []
     for key, value in state.items():

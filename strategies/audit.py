@@ -77,7 +77,7 @@ class AuditingStrategy(WrappingStrategy):
     ground_truth : GroundTruth, optional
         Audit mode: the dataset the clients' reported ``sample-indices`` refer to.
     dataset : str, optional
-        An ``fl_attack.data`` dataset the inputs come from (its shape and normalisation).
+        An ``fl_attack.testbed.data`` dataset the inputs come from (its shape and normalisation).
     input_shape : tuple of int, optional
         ``(C, H, W)`` of the model's input, to show reconstructions as pictures; inferred for
         square 1- or 3-channel inputs when not given (the report says so).

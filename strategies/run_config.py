@@ -159,7 +159,7 @@ def shard_sizes(cfg: Mapping[str, Any]) -> list[int]:
     n = n or _DATASET_SIZES[str(cfg["dataset"])]
     if cfg["partitioning"] == "iid":
         return [len(s) for s in iid_partition(n, k, seed=int(cfg["data-seed"]))]
-    from fl_attack.data import load_images
+    from fl_attack.testbed.data import load_images
 
     _, labels = load_images(str(cfg["dataset"]), n, seed=int(cfg["data-seed"]))
     shards = partition(labels.numpy(), k, scheme="dirichlet",

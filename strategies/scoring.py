@@ -37,7 +37,7 @@ class InputView:
     Parameters
     ----------
     dataset : str, optional
-        A dataset of ``fl_attack.data``: its image shape and normalisation are used.
+        A dataset of ``fl_attack.testbed.data``: its image shape and normalisation are used.
     input_shape : tuple of int, optional
         ``(C, H, W)`` of the model's input; ``None``: from ``dataset``, else inferred when the
         input size is a square image with 1 or 3 channels (the report says so).
@@ -60,7 +60,7 @@ class InputView:
                                  f"attacked layer takes {n}")
             return (shape[0], shape[1], shape[2]), False
         if self.dataset is not None:
-            from fl_attack.data import image_shape
+            from fl_attack.testbed.data import image_shape
 
             shape = image_shape(self.dataset)
             if int(np.prod(shape)) == n:
@@ -82,7 +82,7 @@ class InputView:
             mean, std = (torch.as_tensor(list(v), dtype=x.dtype) for v in self.transform)
             x = x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)
         elif self.dataset is not None and not inferred:
-            from fl_attack.data import denormalize
+            from fl_attack.testbed.data import denormalize
 
             x = denormalize(x, self.dataset)
         else:
@@ -107,7 +107,7 @@ class GroundTruth:
     def images(self, indices: Iterable[int]) -> torch.Tensor:
         """``(B, C, H, W)`` float images in ``[0, 1]`` for the given dataset indices."""
         if self._images is None:
-            from fl_attack.data import load_images
+            from fl_attack.testbed.data import load_images
 
             self._images, _ = load_images(self.dataset, self.size, seed=self.seed,
                                           root=self.root)
@@ -132,7 +132,7 @@ class Score:
 
 def score_images(recon: np.ndarray, originals: torch.Tensor) -> Score:
     """Match reconstructed to true images (Hungarian) and score them (PSNR, range [0, 1])."""
-    from fl_attack.metrics import score_batch
+    from fl_attack.testbed.metrics import score_batch
 
     rec = torch.as_tensor(recon, dtype=torch.float64)
     orig = originals.double()

@@ -49,8 +49,8 @@ def client_config_record(cfg: Mapping[str, Any]) -> ConfigRecord:
 
 def initial_arrays(cfg: Mapping[str, Any]) -> ArrayRecord:
     """The initial global model (seeded) as an ArrayRecord."""
-    from fl_attack.data import image_shape
-    from fl_attack.models import relu_mlp
+    from fl_attack.testbed.data import image_shape
+    from fl_attack.testbed.models import relu_mlp
 
     c, h, w = image_shape(str(cfg["dataset"]))
     model = relu_mlp(c * h * w, int(cfg["width"]), int(cfg["depth"]), 10,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import data, metrics, models
+from fl_attack.testbed import data, metrics, models
 
 
 def _batch(name: str, B: int, m: int, seed: int):

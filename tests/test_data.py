@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fl_attack import data
+from fl_attack.testbed import data
 
 
 @pytest.mark.parametrize(

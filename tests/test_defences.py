@@ -34,9 +34,9 @@ from experiments.defence_apps import NamedAction, fresh_state_mod, row_config
 from experiments.defence_report import collect, markdown_table, sentence
 from experiments.defence_secaggplus import AuditedSecAggPlusFedAvg, legacy_train
 from experiments.defence_variants import Defence
-from fl_attack.data import load_images, normalize
-from fl_attack.models import relu_mlp
-from fl_attack.simulate import local_update
+from fl_attack.testbed.data import load_images, normalize
+from fl_attack.testbed.models import relu_mlp
+from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
 from fl_attack_flwr.store import records_from_jsonl
 from tests.test_flower_strategy import _Grid, task_identity  # noqa: F401 - a fixture

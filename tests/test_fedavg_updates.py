@@ -9,25 +9,14 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import (
-    certify,
-    columns,
-    config,
-    data,
-    loop,
-    match,
-    metrics,
-    models,
-    rounds,
-    simulate,
-    updates,
-)
+from fl_attack import certify, columns, config, loop, match, rounds, updates
 from fl_attack.certify import Assessment
 from fl_attack.clock import Clock
 from fl_attack.decompose import decompose
 from fl_attack.pool import CandidatePool
 from fl_attack.scale import make_system
 from fl_attack.state import SearchContext, SearchState, search_context
+from fl_attack.testbed import data, metrics, models, simulate
 from fl_attack.tolerances import tolerances
 
 

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from fl_attack.data import load_images, normalize
-from fl_attack.models import relu_mlp
-from fl_attack.simulate import local_update
+from fl_attack.testbed.data import load_images, normalize
+from fl_attack.testbed.models import relu_mlp
+from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, verdicts
 from fl_attack_flwr.executors import InlineExecutor, PoolExecutor
 from fl_attack_flwr.ray_executor import RayExecutor

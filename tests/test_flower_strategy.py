@@ -27,9 +27,9 @@ from flwr.app import (
 )
 from flwr.serverapp.strategy import FedAvg
 
-from fl_attack.data import load_images, normalize
-from fl_attack.models import relu_mlp
-from fl_attack.simulate import local_update
+from fl_attack.testbed.data import load_images, normalize
+from fl_attack.testbed.models import relu_mlp
+from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth, verdicts
 
 DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100

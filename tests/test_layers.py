@@ -5,10 +5,10 @@ A hidden layer of a ReLU MLP sits between two ReLUs: its output gradients ∂L/�
 ReLU after it, ``sparse="output"``) and so are its inputs x (the ReLU before it,
 ``sparse="input"``, :mod:`fl_attack.input_layer`); ``"auto"`` tries the output side, then the
 input side. Everything here runs on real batches (photo crops, MNIST digits) through
-:func:`fl_attack.models.relu_mlp`, and every reconstruction is scored against the layer's true
-inputs (:func:`fl_attack.models.layer_inputs`) after optimal matching. "Exact" means a relative
-error at the level of float32 rounding of the shared gradient (measured ≤ 4e-5; a wrong sample
-is off by 0.1-100), hence the 1e-4 bound.
+:func:`fl_attack.testbed.models.relu_mlp`, and every reconstruction is scored against the layer's
+true inputs (:func:`fl_attack.testbed.models.layer_inputs`) after optimal matching. "Exact" means a
+relative error at the level of float32 rounding of the shared gradient (measured ≤ 4e-5; a wrong
+sample is off by 0.1-100), hence the 1e-4 bound.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fl_attack
-from fl_attack import data, metrics, models
+from fl_attack.testbed import data, metrics, models
 
 WIDTH = 200
 EXACT_RTOL = 1e-4
@@ -165,7 +165,7 @@ def _candidate(inputs: torch.Tensor, lam: float, exact: bool = False) -> fl_atta
 
 
 def test_auto_ranks_the_sides_by_their_inputs_not_their_lambda() -> None:
-    """``"auto"``'s rule (``input_layer.better_side``) on two constructed results for the same
+    """``"auto"``'s rule (``sides.better_side``) on two constructed results for the same
     real layer (photos, B = 20, layer 2): an "output side" whose every input is a signed mixture
     of the true ones (what a wrong basis gives: X̂ = M X) with the higher λ, and an "input side"
     with 17 of 20 inputs right. Each side's λ comes from its own factorisation, so the rule
@@ -173,7 +173,7 @@ def test_auto_ranks_the_sides_by_their_inputs_not_their_lambda() -> None:
     the two λ say; a certified side wins; ties go to the output side."""
     from fl_attack.config import AttackConfig
     from fl_attack.decompose import decompose
-    from fl_attack.input_layer import better_side, side_score
+    from fl_attack.sides import better_side, side_score
     from fl_attack.tolerances import tolerances
 
     G, g, W, b, X = _layer_problem("photos32", 20, 1, 0)
@@ -208,17 +208,17 @@ def test_auto_returns_the_side_its_rule_picks(monkeypatch: pytest.MonkeyPatch) -
     CPU, ``"auto"`` returns the output side when it is exact, and otherwise exactly the result
     ``better_side`` picks of the two, with the time of the other side; any certified result is
     exact against the true inputs."""
-    from fl_attack import input_layer
+    from fl_attack import sides
 
     seen: list[tuple[fl_attack.Reconstruction, ...]] = []
-    rule = input_layer.better_side
+    rule = sides.better_side
 
     def spy(out, inp, *args, **kw):
         best, other = rule(out, inp, *args, **kw)
         seen.append((out, inp, best))
         return best, other
 
-    monkeypatch.setattr(input_layer, "better_side", spy)
+    monkeypatch.setattr(sides, "better_side", spy)
     G, g, W, b, X = _layer_problem("photos32", 20, 1, 0)
     auto = fl_attack.invert(G, g, weight=W, bias=b, seed=0, sparse="auto", slice_samples=0)
     assert auto.config is not None and auto.inputs.shape == X.shape

@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from fl_attack import data
-from fl_attack.metrics import PSNR_CAP, MatchedScore, batch_accuracy, match, psnr, score_batch
+from fl_attack.testbed import data
+from fl_attack.testbed.metrics import (
+    PSNR_CAP,
+    MatchedScore,
+    batch_accuracy,
+    match,
+    psnr,
+    score_batch,
+)
 
 
 @pytest.fixture(scope="module")

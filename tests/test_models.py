@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_attack import data
-from fl_attack.models import (
+from fl_attack.testbed import data
+from fl_attack.testbed.models import (
     first_layer_gradients,
     layer_gradients,
     layer_inputs,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import fl_attack
-from fl_attack import data, metrics, models, simulate, updates
+from fl_attack import updates
+from fl_attack.testbed import data, metrics, models, simulate
 
 
 def _dp_update(seed: int, noise_frac: float, B: int = 12, m: int = 200, lr: float = 0.1,

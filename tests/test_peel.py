@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import fl_attack
-from fl_attack import data, metrics, models, peel
+from fl_attack import peel
 from fl_attack.decompose import decompose
 from fl_attack.scale import make_system
+from fl_attack.testbed import data, metrics, models
 
 B, M = 20, 200
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_attack.data import load_images
+from fl_attack.testbed.data import load_images
 from fl_attack_flwr.store import AuditStore, ClientAudit
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,4 +1,4 @@
-"""Local training of one client (fl_attack.simulate) and the server's update pair (updates).
+"""Local training of one client (fl_attack.testbed.simulate) and the server's update pair (updates).
 
 Real data: a batch of 8 real photo crops (``photos32``), normalised, on a small float64 ReLU MLP so
 that ranks and exact identities can be checked to float64 precision.
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from fl_attack.data import normalize, sample_batch
-from fl_attack.models import relu_mlp
-from fl_attack.simulate import PROTOCOLS, local_update, noise_multiplier_for_std
+from fl_attack.testbed.data import normalize, sample_batch
+from fl_attack.testbed.models import relu_mlp
+from fl_attack.testbed.simulate import PROTOCOLS, local_update, noise_multiplier_for_std
 from fl_attack.updates import layer_keys, weight_update_pair
 
 B = 8

@@ -21,13 +21,11 @@ from fl_attack import (
     columns,
     completion,
     config,
-    data,
     faces,
     feasibility,
     filtering,
     kernels,
     match,
-    models,
     polish,
     search,
     select,
@@ -36,6 +34,7 @@ from fl_attack.clock import Clock
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import make_system
 from fl_attack.state import SearchState, search_context
+from fl_attack.testbed import data, models
 from fl_attack.tolerances import tolerances
 from fl_attack.tuning import TUNING
 

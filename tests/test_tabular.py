@@ -1,11 +1,11 @@
-"""UCI Adult loading, decoding and scoring (fl_attack.tabular) on the real files."""
+"""UCI Adult loading, decoding and scoring (fl_attack.testbed.tabular) on the real files."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fl_attack.tabular import (
+from fl_attack.testbed.tabular import (
     ADULT_FEATURES,
     decode,
     load_adult,

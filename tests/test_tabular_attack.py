@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import models, tabular
+from fl_attack.testbed import models, tabular
 
 B = 16
 WIDTH = 200

@@ -28,7 +28,7 @@ def load_partition(partition_id: int, num_partitions: int,
 
     Real photographs cut into CIFAR-10-shaped crops; any image dataset works the same way.
     """
-    from fl_attack.data import load_images
+    from fl_attack.testbed.data import load_images
 
     images, labels = load_images("photos32", samples * num_partitions, seed=7)
     part = slice(partition_id * samples, (partition_id + 1) * samples)

@@ -8,10 +8,10 @@ that the local training is exactly what a real client runs:
 * ``fedsgd``: one SGD step of the mean cross-entropy on the whole batch, so ``W0 - W1 = lr * grad``.
 * ``fedavg``: ``epochs`` passes of plain SGD over mini-batches (SPEAR App. F); the weight delta
   keeps the low-rank structure of the first-layer gradient.
-* ``dpsgd``: real per-sample DP-SGD with Opacus (``GradSampleModule`` + ``DPOptimizer``):
-  per-sample clipping at ``max_grad_norm``, Gaussian noise of std ``noise_multiplier *
-  max_grad_norm`` on the summed gradient, and (epsilon, delta) from Opacus' RDP accountant
-  (SPEAR App. E.6). Batches are fixed (no Poisson sampling) so the client uses exactly its data.
+* ``dpsgd``: real per-sample DP-SGD with Opacus (:mod:`fl_attack.testbed.dpsgd`): per-sample
+  clipping at ``max_grad_norm``, Gaussian noise of std ``noise_multiplier * max_grad_norm`` on
+  the summed gradient, and (epsilon, delta) from Opacus' RDP accountant (SPEAR App. E.6).
+  Batches are fixed (no Poisson sampling) so the client uses exactly its data.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from fl_attack.testbed import dpsgd
 
 __all__ = [
     "PROTOCOLS",
@@ -34,17 +34,6 @@ __all__ = [
 ]
 
 PROTOCOLS: tuple[str, ...] = ("fedsgd", "fedavg", "dpsgd")
-
-# RDP orders for the accountant: Opacus' default grid (1.1 .. 63) widened at both ends. Audits use
-# tiny noise multipliers (the optimal order is then close to 1) as well as large ones (optimal
-# order above 63); a wider grid gives a tighter, honest epsilon in both regimes.
-_RDP_ALPHAS: list[float] = (
-    [1.0 + x / 100.0 for x in range(1, 10)]
-    + [1.0 + x / 10.0 for x in range(1, 100)]
-    + [float(a) for a in range(12, 64)]
-    + [float(a) for a in (80, 100, 128, 160, 200, 256, 400, 512, 1024, 4096)]
-)
-
 
 @dataclass
 class LocalTrainingResult:
@@ -106,6 +95,7 @@ def _validate(
     noise_multiplier: float,
     delta: float,
     sample_rate: float | None,
+    dp_engine: str = "auto",
 ) -> None:
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
@@ -161,6 +151,8 @@ def _validate(
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
     if sample_rate is not None and (not _is_real(sample_rate) or not (0 < sample_rate <= 1)):
         raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+    if dp_engine not in dpsgd.ENGINES:
+        raise ValueError(f"unknown dp_engine {dp_engine!r}; expected one of {dpsgd.ENGINES}")
 
 
 def _batches(n: int, batch_size: int | None, generator: torch.Generator) -> list[Tensor]:
@@ -189,6 +181,7 @@ def local_update(
     delta: float = 1e-5,
     sample_rate: float | None = None,
     seed: int = 0,
+    dp_engine: str = "auto",
 ) -> LocalTrainingResult:
     """Run one client's local training from the global ``model`` and return the new weights.
 
@@ -197,7 +190,7 @@ def local_update(
     Training runs on the model's device and dtype (inputs are cast to it).
 
     Args:
-        model: global model (e.g. ``fl_attack.models.relu_mlp``), in its state at round start.
+        model: global model (e.g. ``testbed.models.relu_mlp``), in its state at round start.
         inputs: the client's examples, shape ``(N, ...)``, as the model takes them.
         labels: integer class labels, shape ``(N,)``.
         protocol: ``"fedsgd"`` (one full-batch step), ``"fedavg"`` (``epochs`` of mini-batch
@@ -214,6 +207,9 @@ def local_update(
             in a step's batch, e.g. the client's batch size over the population it was drawn from.
             Default ``batch_size / N`` (1.0 for full-batch steps).
         seed: seeds the mini-batch shuffle and the DP noise, so runs are reproducible.
+        dp_engine: dpsgd: ``"opacus"`` (per-sample gradients), ``"ghost"`` (ghost clipping, the
+            same update in far less memory) or ``"auto"`` (ghost where per-sample gradients
+            would need more than 2 GiB); see :mod:`fl_attack.testbed.dpsgd`.
 
     Returns:
         :class:`LocalTrainingResult` with the trained weights and, for dpsgd, the DP accounting.
@@ -224,7 +220,7 @@ def local_update(
     """
     _validate(
         model, inputs, labels, protocol, lr, epochs, batch_size, max_grad_norm,
-        noise_multiplier, delta, sample_rate,
+        noise_multiplier, delta, sample_rate, dp_engine,
     )
     lr, epochs = float(lr), int(epochs)
     batch_size = None if batch_size is None else int(batch_size)
@@ -235,119 +231,29 @@ def local_update(
     x = inputs.detach().to(device=ref.device, dtype=ref.dtype)
     y = labels.detach().to(device=ref.device, dtype=torch.long)
     shuffle = torch.Generator().manual_seed(int(seed))
+    if protocol == "fedsgd":
+        epochs, batch_size = 1, None
+    batches = [_batches(n, batch_size, shuffle) for _ in range(epochs)]
+    if protocol != "dpsgd":
+        return LocalTrainingResult(state_dict=_sgd(local, x, y, batches, lr), num_examples=n,
+                                   steps=sum(len(epoch) for epoch in batches))
+    assert max_grad_norm is not None  # checked by _validate
+    rate = sample_rate if sample_rate is not None else min(batch_size or n, n) / n
+    dp = dpsgd.train(local, x, y, batches, lr=lr, max_grad_norm=float(max_grad_norm),
+                     noise_multiplier=float(noise_multiplier), delta=float(delta),
+                     sample_rate=float(rate), seed=int(seed), engine=dp_engine)
+    return LocalTrainingResult(state_dict=dp.state_dict, num_examples=n, steps=dp.steps,
+                               epsilon=dp.epsilon, delta=float(delta), noise_std=dp.noise_std)
 
-    if protocol == "dpsgd":
-        assert max_grad_norm is not None  # checked by _validate
-        return _dpsgd(
-            local, x, y, lr=lr, epochs=epochs, batch_size=batch_size,
-            max_grad_norm=float(max_grad_norm), noise_multiplier=float(noise_multiplier),
-            delta=float(delta), sample_rate=sample_rate, seed=int(seed), shuffle=shuffle,
-        )
 
+def _sgd(local: nn.Module, x: Tensor, y: Tensor, batches: list[list[Tensor]],
+         lr: float) -> dict[str, Tensor]:
+    """Plain SGD on the mean cross-entropy over ``batches`` (one list per epoch)."""
     optimizer = torch.optim.SGD(local.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
-    steps = 0
-    n_epochs = 1 if protocol == "fedsgd" else epochs
-    for _ in range(n_epochs):
-        for idx in _batches(n, None if protocol == "fedsgd" else batch_size, shuffle):
+    for epoch in batches:
+        for idx in epoch:
             optimizer.zero_grad(set_to_none=True)
             loss_fn(local(x[idx]), y[idx]).backward()
             optimizer.step()
-            steps += 1
-    return LocalTrainingResult(state_dict=_state(local), num_examples=n, steps=steps)
-
-
-def _dpsgd(
-    local: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    *,
-    lr: float,
-    epochs: int,
-    batch_size: int | None,
-    max_grad_norm: float,
-    noise_multiplier: float,
-    delta: float,
-    sample_rate: float | None,
-    seed: int,
-    shuffle: torch.Generator,
-) -> LocalTrainingResult:
-    """Per-sample DP-SGD with Opacus' own GradSampleModule, DPOptimizer and RDP accountant.
-
-    Opacus' ``PrivacyEngine.make_private`` is not used because it wants a DataLoader and swaps in
-    Poisson sampling; the client here must train on exactly its batch, so the three
-    pieces ``make_private`` assembles are assembled directly (``secure_mode=False``, seeded noise).
-
-    Warnings silenced (all expected here, none signals a problem with this use):
-      * ``"Optimal order is the {smallest,largest} alpha"`` from the RDP accountant: audits use
-        extreme noise multipliers on purpose (the alpha grid is already widened, see
-        ``_RDP_ALPHAS``); epsilon is still a valid upper bound.
-      * torch's ``"Full backward hook is firing when gradients are computed with respect to module
-        outputs since no inputs require gradients"``, raised once per step by the hooks Opacus puts
-        on the first layer: the client's data never requires gradients, and Opacus only needs the
-        gradient w.r.t. the module output there, so this is exactly the intended behaviour.
-    (PrivacyEngine's ``"Secure RNG turned off"`` warning does not arise: PrivacyEngine is not used;
-    ``secure_mode=False`` is deliberate so that the noise is reproducible from ``seed``.)
-    """
-    from opacus import GradSampleModule
-    from opacus.accountants import RDPAccountant
-    from opacus.optimizers import DPOptimizer
-
-    n = int(x.shape[0])
-    eff_batch = n if batch_size is None else min(batch_size, n)
-    q = float(sample_rate) if sample_rate is not None else eff_batch / n
-    noise_gen = torch.Generator(device=x.device).manual_seed(seed)
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"Full backward hook is firing when gradients are computed"
-        )
-        gsm = GradSampleModule(local, batch_first=True, loss_reduction="mean")
-        optimizer = DPOptimizer(
-            torch.optim.SGD(gsm.parameters(), lr=lr),
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=eff_batch,
-            loss_reduction="mean",
-            generator=noise_gen,
-            secure_mode=False,
-        )
-        accountant = RDPAccountant()
-        loss_fn = nn.CrossEntropyLoss(reduction="mean")
-        steps = 0
-        for _ in range(epochs):
-            for idx in _batches(n, batch_size, shuffle):
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn(gsm(x[idx]), y[idx]).backward()
-                optimizer.step()
-                accountant.step(noise_multiplier=noise_multiplier, sample_rate=q)
-                steps += 1
-        optimizer.zero_grad(set_to_none=True)
-        gsm.remove_hooks()
-
-    return LocalTrainingResult(
-        state_dict=_finite_state(local),
-        num_examples=n,
-        steps=steps,
-        epsilon=_epsilon(accountant, noise_multiplier, delta),
-        delta=delta,
-        noise_std=noise_multiplier * max_grad_norm / eff_batch,
-    )
-
-
-def _epsilon(accountant: Any, noise_multiplier: float, delta: float) -> float:
-    """The ε spent for ``delta`` (inf without noise: clipping alone guarantees nothing)."""
-    if noise_multiplier == 0:
-        return math.inf
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*Optimal order is the.*alpha.*")
-        return float(accountant.get_epsilon(delta=delta, alphas=_RDP_ALPHAS))
-
-
-def _finite_state(local: nn.Module) -> dict[str, Tensor]:
-    """The trained weights (Opacus wraps the module in place), checked for NaN/Inf."""
-    state = _state(local)
-    for k, v in state.items():
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError(f"DP-SGD produced non-finite weights in {k!r} (lr too large?)")
-    return state
+    return _state(local)

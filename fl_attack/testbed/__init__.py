@@ -1,0 +1,16 @@
+"""The simulation and evaluation toolkit around the attack (not part of the attack).
+
+Everything an experiment, a simulated client or a test needs to *produce* an update and to
+*score* a reconstruction, and nothing the attack itself uses:
+
+========================  =====================================================================
+``testbed.data``          real images offline (photo crops, MNIST), torchvision datasets, batches
+``testbed.models``        the papers' ReLU MLPs; per-layer gradients and inputs of a batch
+``testbed.simulate``      one client's local training: FedSGD, FedAvg, DP-SGD (``testbed.dpsgd``)
+``testbed.dpsgd``         per-sample DP-SGD with Opacus: per-sample gradients or ghost clipping
+``testbed.metrics``       PSNR / SSIM after optimal matching of reconstructions to originals
+``testbed.tabular``       UCI Adult: loading, one-hot encoding, decoding and scoring
+========================  =====================================================================
+
+The attack (``fl_attack.invert``) takes tensors; it never imports this package.
+"""
