@@ -20,7 +20,7 @@ __all__ = ["AttackSettings", "AuditStore", "AuditingStrategy", "ClientAudit", "G
            "InputView", "verdicts"]
 
 _WHERE = {"AttackSettings": "settings", "AuditStore": "store", "AuditingStrategy": "audit",
-          "ClientAudit": "store", "GroundTruth": "scoring", "InputView": "scoring"}
+          "ClientAudit": "records", "GroundTruth": "scoring", "InputView": "scoring"}
 
 
 def __getattr__(name: str) -> Any:

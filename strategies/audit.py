@@ -9,8 +9,9 @@ reply before it is aggregated. Per reply it
 2. picks the attacked layer and builds a picklable job from the arrays the server sent that
    node and the arrays it sent back (``replies.build_job``);
 3. hands the job to an executor (``executors``: inline, one worker process, a pool, Ray);
-4. turns the outcome into a record with a verdict, pictures and, in audit mode, PSNR against
-   the client's true samples (``scoring``), and stores it (``store.AuditStore``).
+4. builds the reply's record from what the intake read, the attack's outcome and its pictures
+   (in audit mode scored by PSNR against the client's true samples: ``scoring``), in one place
+   (``records.build_record``), and stores it (``store.AuditStore``).
 
 In ``blocking`` mode the round waits for its attacks and their statistics join the round's
 MetricRecord; in ``background`` mode the wrapped strategy's aggregate is returned at once and
@@ -37,28 +38,28 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.background import InFlight
 from fl_attack_flwr.executors import Executor, make_executor
-from fl_attack_flwr.intake import Intake, aggregate_intake, reply_intake, sample_replies
+from fl_attack_flwr.intake import Intake, Work, aggregate_intake, reply_intake, sample_replies
+from fl_attack_flwr.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.outcomes import (
-    add_pictures,
-    apply_outcome,
     log_record,
     log_round,
     log_settings,
     outcome_of,
+    pictures_of,
     round_metrics,
 )
 from fl_attack_flwr.protocol import UPDATE_OF_PROTOCOL
-from fl_attack_flwr.replies import AttackJob, strip_ground_truth
+from fl_attack_flwr.records import ClientAudit, ReplyFacts, build_record
+from fl_attack_flwr.replies import strip_ground_truth
 from fl_attack_flwr.report import strategy_notes
-from fl_attack_flwr.running import error_outcome
 from fl_attack_flwr.scoring import GroundTruth, InputView
 from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.store import AuditStore, ClientAudit
+from fl_attack_flwr.store import AuditStore
 from fl_attack_flwr.wrapper import WrappingStrategy
 
 __all__ = ["AuditingStrategy"]
 
-Outcome = dict[str, Any]
+Pending = list[tuple[ReplyFacts, Future[AttackOutcome]]]
 
 
 class AuditingStrategy(WrappingStrategy):
@@ -119,7 +120,7 @@ class AuditingStrategy(WrappingStrategy):
         self._lock = threading.RLock()
         self._inflight = InFlight()
         self._executor: Executor | None = None
-        self._finished: set[int] = set()
+        self._done: dict[ReplyFacts, ClientAudit] = {}
 
     @property
     def weighted_by_key(self) -> str:
@@ -168,8 +169,8 @@ class AuditingStrategy(WrappingStrategy):
     def close(self) -> None:
         """Wait up to ``drain_timeout`` for background attacks, mark the rest ``unfinished``,
         and stop the executor."""
-        for record in self._inflight.drain(self.attack.drain_timeout):
-            self._finish(record, error_outcome(
+        for facts in self._inflight.drain(self.attack.drain_timeout):
+            self._finish(facts, error_outcome(
                 verdicts.UNFINISHED, "the run ended before the attack (drain timeout "
                 f"{self.attack.drain_timeout:g}s)"))
         if self._executor is not None:
@@ -195,28 +196,35 @@ class AuditingStrategy(WrappingStrategy):
                       for i in chosen}
         ctx = Intake(server_round, self.attack, self.weighted_by_key, self.protocol,
                      self._current, dict(self._sent))
-        keep, records, futures = [], [], []
+        keep, replied, futures = [], [], []
         for i, reply in enumerate(replies):
             node = int(reply.metadata.src_node_id)
-            record, job = reply_intake(ctx, reply, self._label(node), chosen.get(i))
-            if record.status != verdicts.CORRUPT:
+            facts, work = reply_intake(ctx, reply, self._label(node), chosen.get(i))
+            if not (isinstance(work, AttackOutcome) and work.status == verdicts.CORRUPT):
                 keep.append(reply)
             strip_ground_truth(reply)
-            self._submit(record, job, records, futures)
+            replied.append((facts, work))
+            self._submit(facts, work, futures)
+        facts_of_round = [facts for facts, _ in replied]
         arrays, metrics = self.strategy.aggregate_train(server_round, keep)
         if aggregate and arrays is not None:
-            self._submit(*aggregate_intake(ctx, records, arrays), records, futures)
+            clients = [f for f, w in replied
+                       if isinstance(w, AttackOutcome) and w.status == verdicts.SKIPPED]
+            facts, work = aggregate_intake(ctx, clients, arrays)
+            facts_of_round.append(facts)
+            self._submit(facts, work, futures)
         merged = MetricRecord(dict(metrics) if metrics is not None else {})
         if self.attack.mode == "blocking":
-            for record, fut in futures:
-                self._finish(record, outcome_of(fut))
-            stats = self._round_done(server_round, records, time.perf_counter() - t0, merged)
+            for facts, fut in futures:
+                self._finish(facts, outcome_of(fut))
+            stats = self._round_done(server_round, facts_of_round, time.perf_counter() - t0,
+                                     merged)
             for key, value in stats.items():
                 merged[key] = value
         else:
             self._round_wall[server_round] = self._since_start(server_round)
-            self._background(server_round, records, futures, t0)
-            merged["audit-replies"] = len(records)
+            self._background(server_round, facts_of_round, futures, t0)
+            merged["audit-replies"] = len(facts_of_round)
             merged["audit-submitted"] = len(futures)
         return arrays, merged
 
@@ -224,21 +232,19 @@ class AuditingStrategy(WrappingStrategy):
         started = self._round_started.get(server_round)
         return None if started is None else time.perf_counter() - started
 
-    def _submit(self, record: ClientAudit, job: AttackJob | None, records: list[ClientAudit],
-                futures: list[tuple[ClientAudit, Future[Outcome]]]) -> None:
-        """Hand ``job`` to the executor, or finish ``record`` at once when there is no job or
-        the background queue is full (``max_queue``: the reply is ``skipped``, saying why)."""
-        records.append(record)
+    def _submit(self, facts: ReplyFacts, work: Work, futures: Pending) -> None:
+        """Hand an attack job to the executor, or finish the reply's record at once when there
+        is no job or the background queue is full (``max_queue``: the reply is ``skipped``,
+        saying why)."""
         limit = self.attack.max_queue if self.attack.mode == "background" else None
         waiting = self._inflight.queued() + len(futures)
-        if job is not None and limit is not None and waiting >= limit:
-            record.status = verdicts.SKIPPED
-            record.reason = f"the audit queue is full ({limit} attacks waiting)"
-            job = None
-        if job is None:
-            self._finish(record, None)
+        if not isinstance(work, AttackOutcome) and limit is not None and waiting >= limit:
+            work = AttackOutcome(verdicts.SKIPPED,
+                                 reason=f"the audit queue is full ({limit} attacks waiting)")
+        if isinstance(work, AttackOutcome):
+            self._finish(facts, work)
         else:
-            futures.append((record, self.executor.submit(job)))
+            futures.append((facts, self.executor.submit(work)))
 
     def _audits_round(self, server_round: int) -> bool:
         return server_round in self.attack.round_filter
@@ -247,18 +253,21 @@ class AuditingStrategy(WrappingStrategy):
         """A short, stable label for a node that does not report a partition id."""
         return self._labels.setdefault(node_id, f"node-{len(self._labels) + 1}")
 
-    def _finish(self, record: ClientAudit, outcome: Outcome | None) -> None:
-        """Apply an attack's outcome to its record, score it, store it, log one line (once
-        per record: a background result and the end of the run may race)."""
+    def _finish(self, facts: ReplyFacts, outcome: AttackOutcome) -> None:
+        """Build the reply's record (pictures and scores for a reconstruction), store it, log
+        one line; once per reply: a background result and the end of the run may race."""
         with self._lock:
-            if id(record) in self._finished:
+            if facts in self._done:
                 return
-            self._finished.add(id(record))
-        if outcome is not None:
-            apply_outcome(record, outcome)
-            if record.reconstructed:
-                add_pictures(record, self.view, self.ground_truth)
+        pictures = None
+        if outcome.reconstructed and outcome.inputs is not None:
+            pictures = pictures_of(outcome.inputs, self.view, self.ground_truth,
+                                   facts.sample_indices)
+        record = build_record(facts, outcome, pictures)
         with self._lock:
+            if facts in self._done:
+                return
+            self._done[facts] = record
             self.records.append(record)
             if self.store is not None:
                 try:
@@ -267,16 +276,19 @@ class AuditingStrategy(WrappingStrategy):
                     log(WARNING, "[audit] could not store %s: %s", record.client_label, exc)
         log_record(record)
 
-    def _background(self, server_round: int, records: list[ClientAudit],
-                    futures: list[tuple[ClientAudit, Future[Outcome]]], t0: float) -> None:
+    def _background(self, server_round: int, facts_of_round: list[ReplyFacts],
+                    futures: Pending, t0: float) -> None:
         """Finish each record when its attack lands; the round's metrics when all have."""
         self._inflight.track(
-            server_round, futures, lambda record, fut: self._finish(record, outcome_of(fut)),
-            lambda: self._round_done(server_round, records, time.perf_counter() - t0, None))
+            server_round, futures, lambda facts, fut: self._finish(facts, outcome_of(fut)),
+            lambda: self._round_done(server_round, facts_of_round, time.perf_counter() - t0,
+                                     None))
 
-    def _round_done(self, server_round: int, records: list[ClientAudit], seconds: float,
+    def _round_done(self, server_round: int, facts_of_round: list[ReplyFacts], seconds: float,
                     metrics: MetricRecord | None) -> dict[str, float]:
         """The round's audit statistics, kept and stored; returned for the MetricRecord."""
+        with self._lock:
+            records = [self._done[f] for f in facts_of_round if f in self._done]
         stats = round_metrics(records, seconds) if self.enabled else {}
         info: dict[str, Any] = dict(stats)
         done = self._since_start(server_round)

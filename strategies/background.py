@@ -13,9 +13,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from fl_attack_flwr.outcome import AttackOutcome
+
 __all__ = ["InFlight"]
 
-Item = tuple[Any, Future[dict[str, Any]]]
+Item = tuple[Any, Future[AttackOutcome]]
 
 
 class InFlight:
@@ -26,7 +28,7 @@ class InFlight:
         self._lock = threading.Lock()
 
     def track(self, server_round: int, items: list[Item],
-              landed: Callable[[Any, Future[dict[str, Any]]], None],
+              landed: Callable[[Any, Future[AttackOutcome]], None],
               round_done: Callable[[], None]) -> None:
         """Call ``landed(record, future)`` as each attack lands, then ``round_done()`` once,
         after the round's last (at once when the round has none)."""
@@ -37,7 +39,7 @@ class InFlight:
             self._rounds[server_round] = list(items)
         left = [len(items)]
 
-        def done(record: Any, fut: Future[dict[str, Any]]) -> None:
+        def done(record: Any, fut: Future[AttackOutcome]) -> None:
             landed(record, fut)
             with self._lock:
                 left[0] -= 1

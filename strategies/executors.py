@@ -1,8 +1,8 @@
 """Where attacks run: the server process, spawned worker processes, or Ray actors.
 
 Every executor takes :class:`~fl_attack_flwr.replies.AttackJob` s and returns
-``concurrent.futures.Future`` s of outcomes (``strategies/running.py``); a future never fails:
-what happens to an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
+``concurrent.futures.Future`` s of :class:`~fl_attack_flwr.outcome.AttackOutcome` s; a future never
+fails: what happens to an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
 
 * :class:`InlineExecutor`: one thread of the server process; no hard timeout, no memory cap.
 * :class:`PoolExecutor`: ``n`` persistent ``spawn`` worker processes (``process`` is a pool of
@@ -13,6 +13,8 @@ what happens to an attack (a hard timeout, a dead worker, a memory cap) is its o
   resources, on the Ray instance this process already has (the simulation engine's), on a given
   cluster address, or on a new local instance.
 
+The interface and the worker set-up they share are in :mod:`fl_attack_flwr.executor_base`.
+
 The same job and seed give the same reconstruction under every executor.
 """
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import threading
 import time
@@ -30,29 +31,16 @@ from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
 from fl_attack_flwr import verdicts
+from fl_attack_flwr.executor_base import Executor, cores_share, lower_priority, prepare_worker
+from fl_attack_flwr.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.replies import AttackJob
-from fl_attack_flwr.running import error_outcome, run_job
+from fl_attack_flwr.running import run_job
 from fl_attack_flwr.settings import AttackSettings, usable_cores
 
 __all__ = ["Executor", "InlineExecutor", "PoolExecutor", "cores_share", "lower_priority",
            "make_executor", "prepare_worker"]
 
 log = logging.getLogger("fl_attack")
-
-
-class Executor:
-    """Interface: ``submit`` a job, get a future of its outcome; ``start`` warms up early."""
-
-    name = "executor"
-
-    def start(self) -> None:
-        """Prepare workers ahead of the first job (e.g. while the clients train)."""
-
-    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Stop every worker; unfinished futures get an ``unfinished`` outcome."""
 
 
 def make_executor(settings: AttackSettings) -> Executor:
@@ -78,48 +66,11 @@ class InlineExecutor(Executor):
     def __init__(self) -> None:
         self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-attack")
 
-    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+    def submit(self, job: AttackJob) -> Future[AttackOutcome]:
         return self._threads.submit(run_job, job)
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
-
-
-# --------------------------------------------------------------------------- worker processes
-
-
-def lower_priority(niceness: int) -> None:
-    """Run this process at least at Unix ``niceness`` (a no-op where the OS has none).
-
-    Attack workers share the cores with the federation (the server, simulated clients): at a
-    higher niceness the scheduler serves the federation first and gives the attacks what is
-    left. Niceness only ever rises here, so a repeated call (a reused Ray worker) is harmless.
-    """
-    if niceness <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, 0)
-        if niceness > now:
-            os.setpriority(os.PRIO_PROCESS, 0, min(niceness, 19))
-    except OSError:
-        pass
-
-
-def cores_share(workers: int) -> int:
-    """Torch threads of one of ``workers`` attack workers: its share of the usable cores
-    (workers that each took every core would oversubscribe them)."""
-    return max(1, usable_cores() // workers)
-
-
-def prepare_worker(threads: int, niceness: int) -> None:
-    """Set up a process that runs attacks (a pool worker, a Ray actor): its priority
-    (:func:`lower_priority`), torch's intra-op ``threads``, and the imports warmed once."""
-    lower_priority(niceness)
-    import torch
-
-    import fl_attack  # noqa: F401  (warm the imports before the first job)
-
-    torch.set_num_threads(threads)
 
 
 def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
@@ -137,7 +88,7 @@ def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
                 return
             outcome = run_job(job, in_worker=True)
             conn.send(("done", outcome))
-            if outcome["status"] == verdicts.OUT_OF_MEMORY:
+            if outcome.status == verdicts.OUT_OF_MEMORY:
                 return  # a failed allocation can leave half-imported modules: start afresh
     except KeyboardInterrupt:
         return
@@ -151,7 +102,7 @@ class _Worker:
     conn: Any
     started: float
     ready: bool = False
-    job: tuple[AttackJob, Future[dict[str, Any]]] | None = None
+    job: tuple[AttackJob, Future[AttackOutcome]] | None = None
     job_started: float = 0.0
     dead_reason: str = field(default="")
 
@@ -180,10 +131,10 @@ class PoolExecutor(Executor):
             raise ValueError(f"a pool needs at least one worker, got {n}")
         self.n, self.timeout, self.startup_timeout, self.name = n, timeout, startup_timeout, name
         self.niceness = niceness
-        self._queue: queue.SimpleQueue[tuple[AttackJob, Future[dict[str, Any]]] | None] = (
+        self._queue: queue.SimpleQueue[tuple[AttackJob, Future[AttackOutcome]] | None] = (
             queue.SimpleQueue())
         self._workers: list[_Worker] = []
-        self._pending: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
+        self._pending: list[tuple[AttackJob, Future[AttackOutcome]]] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -198,9 +149,9 @@ class PoolExecutor(Executor):
                                             daemon=True)
             self._thread.start()
 
-    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+    def submit(self, job: AttackJob) -> Future[AttackOutcome]:
         self.start()
-        future: Future[dict[str, Any]] = Future()
+        future: Future[AttackOutcome] = Future()
         self._queue.put((job, future))
         return future
 
@@ -248,7 +199,7 @@ class PoolExecutor(Executor):
         child.close()
         return _Worker(proc, parent, time.perf_counter())
 
-    def _drain_queue(self) -> list[tuple[AttackJob, Future[dict[str, Any]]]]:
+    def _drain_queue(self) -> list[tuple[AttackJob, Future[AttackOutcome]]]:
         items = []
         while True:
             try:
@@ -296,7 +247,7 @@ class PoolExecutor(Executor):
         elif kind == "done" and w.job is not None:
             w.job[1].set_result(payload)
             w.job = None
-            if payload["status"] == verdicts.OUT_OF_MEMORY:  # it exits: do not reuse it
+            if payload.status == verdicts.OUT_OF_MEMORY:  # it exits: do not reuse it
                 self._replace(w)
 
     def _check_deadlines(self) -> None:
@@ -333,8 +284,8 @@ class PoolExecutor(Executor):
             self._workers[self._workers.index(w)] = self._spawn()
 
 
-def _requeued(future: Future[dict[str, Any]]) -> Future[dict[str, Any]]:
+def _requeued(future: Future[AttackOutcome]) -> Future[AttackOutcome]:
     """A running future handed back to the queue: a fresh one that completes it."""
-    fresh: Future[dict[str, Any]] = Future()
+    fresh: Future[AttackOutcome] = Future()
     fresh.add_done_callback(lambda f: future.set_result(f.result()))
     return fresh

@@ -1,13 +1,16 @@
-"""From a training reply to an audit record and an attack job, without raising.
+"""From a training reply to what the audit knows of it and what it attacks, without raising.
 
-Each reply becomes a :class:`~fl_attack_flwr.store.ClientAudit` whose status already says
-what cannot be attacked (a client error, a corrupt reply, a skipped one, no update), and, when
-there is something to attack, an :class:`~fl_attack_flwr.replies.AttackJob`. Under secure
-aggregation the round's aggregate is the one thing attacked (:func:`aggregate_intake`).
+Each reply becomes :class:`~fl_attack_flwr.records.ReplyFacts` (who sent it, which layer, how
+many examples, the DP accounting it reported) and its *work*: an
+:class:`~fl_attack_flwr.replies.AttackJob` when there is something to attack, otherwise the
+:class:`~fl_attack_flwr.outcome.AttackOutcome` that says why not (a client error, a corrupt
+reply, a skipped one, no update). Under secure aggregation the round's aggregate is the one
+thing attacked (:func:`aggregate_intake`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -17,12 +20,14 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 
 from fl_attack_flwr import verdicts
+from fl_attack_flwr.outcome import AttackOutcome
 from fl_attack_flwr.protocol import (
     DELTA_KEY,
     EPSILON_CUMULATIVE_KEY,
     EPSILON_KEY,
     NOISE_STD_KEY,
 )
+from fl_attack_flwr.records import ReplyFacts
 from fl_attack_flwr.replies import (
     AttackJob,
     build_job,
@@ -33,9 +38,11 @@ from fl_attack_flwr.replies import (
     sample_indices,
 )
 from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.store import ClientAudit
 
-__all__ = ["Intake", "aggregate_intake", "reply_intake", "sample_replies"]
+__all__ = ["Intake", "Work", "aggregate_intake", "reply_intake", "sample_replies"]
+
+Work = AttackJob | AttackOutcome
+"""What to do with a reply: attack this job, or record this outcome (nothing to attack)."""
 
 log = logging.getLogger("flwr")
 
@@ -70,81 +77,78 @@ def sample_replies(settings: AttackSettings, rng: random.Random, server_round: i
 
 
 def reply_intake(ctx: Intake, reply: Message, label: str,
-                 skip: str | None) -> tuple[ClientAudit, AttackJob | None]:
-    """The reply's record and attack job (``None``: nothing to attack, the record says why)."""
+                 skip: str | None) -> tuple[ReplyFacts, Work]:
+    """The reply's facts and its work (``skip``: why the sampling leaves it out, or ``None``)."""
     node = int(reply.metadata.src_node_id)
-    record = ClientAudit(ctx.server_round, node, label=label, protocol=ctx.protocol)
+    facts = ReplyFacts(ctx.server_round, node, label=label, protocol=ctx.protocol)
     if reply.has_error():
-        record.status, record.error = verdicts.CLIENT_ERROR, str(reply.error.reason)
-        return record, None
-    record.partition_id = partition_id(reply)
+        return facts, AttackOutcome(verdicts.CLIENT_ERROR, error=str(reply.error.reason))
+    facts = dataclasses.replace(facts, partition_id=partition_id(reply))
     sent = ctx.sent.get(node, ctx.current)
     reason = corrupt_reason(reply, sent, ctx.weighted_by_key)
     if reason is not None:
-        record.status, record.error = verdicts.CORRUPT, reason
-        return record, None
-    _read_metrics(ctx, record, reply)
+        return facts, AttackOutcome(verdicts.CORRUPT, error=reason)
+    facts = _with_metrics(ctx, facts, reply)
     if skip is not None:
-        record.status, record.reason = verdicts.SKIPPED, skip
-        return record, None
+        return facts, AttackOutcome(verdicts.SKIPPED, reason=skip)
     returned = next(iter(reply.content.array_records.values()))
-    return _with_job(ctx, record, sent, returned)
+    return _with_job(ctx, facts, sent, returned)
 
 
-def aggregate_intake(ctx: Intake, records: list[ClientAudit],
-                     aggregated: ArrayRecord) -> tuple[ClientAudit, AttackJob | None]:
-    """The record and job of the round's aggregate ``W0 - W_aggregate``: one batch of every
-    aggregated client's samples (ground truth: the union of their sample indices)."""
-    clients = [r for r in records if r.status == verdicts.SKIPPED]
-    record = ClientAudit(ctx.server_round, 0, label=f"aggregate-of-{len(clients)}",
-                         protocol=ctx.protocol)
-    record.inputs_are = (f"The round's aggregate of {len(clients)} clients' updates (what a "
-                         "server under secure aggregation sees), attacked as one batch.")
-    indices = [i for r in clients for i in (r.sample_indices or [])]
-    record.sample_indices = indices if all(r.sample_indices for r in clients) else None
-    record.num_examples = sum(r.num_examples or 0 for r in clients)
+def aggregate_intake(ctx: Intake, clients: list[ReplyFacts],
+                     aggregated: ArrayRecord) -> tuple[ReplyFacts, Work]:
+    """The facts and work of the round's aggregate ``W0 - W_aggregate``: one batch of every
+    aggregated client's samples (``clients``: the facts of the replies it aggregates; ground
+    truth: the union of their sample indices)."""
+    indices = [i for f in clients for i in (f.sample_indices or [])]
+    facts = ReplyFacts(
+        ctx.server_round, 0, label=f"aggregate-of-{len(clients)}", protocol=ctx.protocol,
+        inputs_are=(f"The round's aggregate of {len(clients)} clients' updates (what a server "
+                    "under secure aggregation sees), attacked as one batch."),
+        sample_indices=indices if all(f.sample_indices for f in clients) else None,
+        num_examples=sum(f.num_examples or 0 for f in clients))
     sent = ctx.current
-    if sent is None or not all(_same(ctx.sent.get(r.node_id, sent), sent) for r in clients):
-        record.status = verdicts.ATTACK_ERROR
-        record.error = "the clients were sent different models: their aggregate is no update"
-        return record, None
-    return _with_job(ctx, record, sent, aggregated)
+    if sent is None or not all(_same(ctx.sent.get(f.node_id, sent), sent) for f in clients):
+        return facts, AttackOutcome(verdicts.ATTACK_ERROR, error="the clients were sent "
+                                    "different models: their aggregate is no update")
+    return _with_job(ctx, facts, sent, aggregated)
 
 
-def _read_metrics(ctx: Intake, record: ClientAudit, reply: Message) -> None:
+def _with_metrics(ctx: Intake, facts: ReplyFacts, reply: Message) -> ReplyFacts:
+    """``facts`` with what the reply's metrics say (examples, DP accounting, sample ids)."""
     num = metric(reply, ctx.weighted_by_key)
-    record.num_examples = None if num is None else int(num)
-    record.epsilon = metric(reply, EPSILON_KEY)
-    record.epsilon_cumulative = metric(reply, EPSILON_CUMULATIVE_KEY)
-    record.delta = metric(reply, DELTA_KEY)
-    record.noise_std = metric(reply, NOISE_STD_KEY)
-    record.sample_indices = sample_indices(reply)
+    return dataclasses.replace(
+        facts, num_examples=None if num is None else int(num),
+        epsilon=metric(reply, EPSILON_KEY),
+        epsilon_cumulative=metric(reply, EPSILON_CUMULATIVE_KEY), delta=metric(reply, DELTA_KEY),
+        noise_std=metric(reply, NOISE_STD_KEY),
+        sample_indices=sample_indices(reply))
 
 
-def _with_job(ctx: Intake, record: ClientAudit, sent: ArrayRecord | None,
-              returned: ArrayRecord) -> tuple[ClientAudit, AttackJob | None]:
-    """The attack job of ``sent -> returned``; a record that says why when there is none."""
+def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
+              returned: ArrayRecord) -> tuple[ReplyFacts, Work]:
+    """The attack job of ``sent -> returned``; an outcome that says why when there is none."""
     try:
         if sent is None:
             raise ValueError("the server has no record of the arrays it sent this node")
         g_state = {k: v.numpy() for k, v in sent.items()}
         n_state = {k: v.numpy() for k, v in returned.items()}
         layer = choose_layer(g_state, ctx.settings.weight_key, ctx.settings.bias_key)
-        record.layer, record.layer_shape = layer.weight_key, list(layer.shape)
+        note = facts.inputs_are
         if not layer.first_is_linear:
-            record.inputs_are = (f"The attacked layer {layer.weight_key} is not the model's "
-                                 "first layer: the reconstructions are its input features, "
-                                 "not the raw inputs.")
-        job = build_job(record.server_round, record.node_id, record.client_label, g_state,
+            note = (f"The attacked layer {layer.weight_key} is not the model's first layer: the "
+                    "reconstructions are its input features, not the raw inputs.")
+        facts = dataclasses.replace(facts, layer=layer.weight_key, layer_shape=list(layer.shape),
+                                    inputs_are=note)
+        job = build_job(facts.server_round, facts.node_id, facts.client_label, g_state,
                         n_state, layer, ctx.settings)
     except ValueError as exc:
-        zero = "identically zero" in str(exc)
-        record.status = verdicts.NO_UPDATE if zero else verdicts.ATTACK_ERROR
-        record.reason, record.error = (str(exc), None) if zero else (None, str(exc))
-        return record, None
-    log.info("[audit] round %d, %s: attacking %s %s (read as %s)", record.server_round,
-             record.client_label, layer.weight_key, layer.shape, " then ".join(job.readings))
-    return record, job
+        if "identically zero" in str(exc):
+            return facts, AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
+        return facts, AttackOutcome(verdicts.ATTACK_ERROR, error=str(exc))
+    log.info("[audit] round %d, %s: attacking %s %s (read as %s)", facts.server_round,
+             facts.client_label, layer.weight_key, layer.shape, " then ".join(job.readings))
+    return facts, job
 
 
 def _same(a: ArrayRecord, b: ArrayRecord) -> bool:

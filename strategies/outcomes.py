@@ -1,29 +1,27 @@
-"""From an attack's outcome to a finished record: verdict, pictures, score, one log line; and
-the round's numbers for Flower's MetricRecord."""
+"""From an attack's outcome to what the audit shows: pictures and scores, one log line per
+record, and the round's numbers for Flower's MetricRecord."""
 
 from __future__ import annotations
 
 import logging
 import math
 from concurrent.futures import Future
-from typing import Any
 
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.running import error_outcome
+from fl_attack_flwr.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.records import ClientAudit, Pictures
 from fl_attack_flwr.scoring import GroundTruth, InputView, score_images
 from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.store import ClientAudit
 
-__all__ = ["add_pictures", "apply_outcome", "log_record", "log_round", "log_settings",
-           "outcome_of", "round_metrics"]
+__all__ = ["log_record", "log_round", "log_settings", "outcome_of", "pictures_of",
+           "round_metrics"]
 
 log = logging.getLogger("flwr")
-Outcome = dict[str, Any]
 
 
-def outcome_of(fut: Future[Outcome]) -> Outcome:
+def outcome_of(fut: Future[AttackOutcome]) -> AttackOutcome:
     """A finished future's outcome; a cancelled or failed one becomes an error outcome."""
     try:
         return fut.result()
@@ -32,48 +30,29 @@ def outcome_of(fut: Future[Outcome]) -> Outcome:
         return error_outcome(status, f"{type(exc).__name__}: {exc}")
 
 
-def apply_outcome(record: ClientAudit, outcome: Outcome) -> None:
-    """Copy the outcome's verdict, reading, timing and reconstruction into ``record``."""
-    record.status, record.reason = outcome["status"], outcome.get("reason")
-    record.error, record.reading = outcome.get("error"), outcome.get("reading")
-    record.attack_seconds = float(outcome.get("seconds") or 0.0)
-    summary = outcome.get("summary")
-    if summary is not None:
-        record.attack = summary
-        record.batch_size = int(summary["batch_size"])
-        record.sparsity_match = summary["sparsity_match"]
-        record.exact = bool(summary["exact"])
-        record.n_directions = int(summary["n_directions"])
-    record.inputs = outcome.get("inputs")
-
-
-def add_pictures(record: ClientAudit, view: InputView, truth: GroundTruth | None) -> None:
-    """Pictures of the reconstruction; with ground truth, matched to the originals and scored."""
+def pictures_of(inputs: np.ndarray, view: InputView, truth: GroundTruth | None,
+                sample_indices: list[int] | None) -> Pictures:
+    """Pictures of reconstructed ``inputs``; with ground truth, matched to the originals and
+    scored. Never raises: what could not be shown or scored is the pictures' ``error``."""
     try:
-        images, inferred = view.images(record.inputs)
+        images, inferred = view.images(inputs)
     except ValueError as exc:
-        record.error = f"pictures: {exc}"
-        return
+        return Pictures(error=f"pictures: {exc}")
     if images is None:
-        record.inputs_are = record.inputs_are or ("The inputs are not images: the first "
-                                                  "reconstructed rows are shown as numbers.")
-        return
-    record.recon_images = images
-    if inferred and record.inputs_are is None:
-        record.inputs_are = (f"Input shape {images.shape[1:]} inferred from the layer's "
-                             f"{images[0].size} inputs; pictures scaled per image.")
-    if truth is None or not record.sample_indices:
-        return
+        return Pictures(note="The inputs are not images: the first reconstructed rows are "
+                             "shown as numbers.")
+    note = (f"Input shape {images.shape[1:]} inferred from the layer's {images[0].size} "
+            "inputs; pictures scaled per image.") if inferred else None
+    if truth is None or not sample_indices:
+        return Pictures(recon_images=images, note=note)
     try:
-        originals = truth.images(record.sample_indices)
+        originals = truth.images(sample_indices)
         score = score_images(images, originals)
     except ValueError as exc:
-        record.error = f"scoring failed: {exc}"
-        return
-    record.true_batch_size = int(originals.shape[0])
-    record.psnr, record.psnr_mean = score.psnr, score.psnr_mean
-    record.matching, record.recon_images = score.matching, score.matched
-    record.original_images = originals.numpy()
+        return Pictures(recon_images=images, note=note, error=f"scoring failed: {exc}")
+    return Pictures(recon_images=score.matched, original_images=originals.numpy(),
+                    matching=score.matching, psnr=score.psnr, psnr_mean=score.psnr_mean,
+                    true_batch_size=int(originals.shape[0]), note=note)
 
 
 def log_record(record: ClientAudit) -> None:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.executors import Executor, cores_share, prepare_worker
+from fl_attack_flwr.executor_base import Executor, cores_share, prepare_worker
+from fl_attack_flwr.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.replies import AttackJob
-from fl_attack_flwr.running import error_outcome, run_job
+from fl_attack_flwr.running import run_job
 from fl_attack_flwr.settings import usable_cores
 
 __all__ = ["RayExecutor"]
@@ -57,7 +58,7 @@ class AttackActor:
     def __init__(self, threads: int, niceness: int) -> None:
         prepare_worker(threads, niceness)
 
-    def run(self, job: AttackJob) -> dict[str, Any]:
+    def run(self, job: AttackJob) -> AttackOutcome:
         return run_job(job, in_worker=True)
 
 
@@ -67,7 +68,7 @@ class _Slot:
 
     actor: Any
     ref: Any = None
-    future: Future[dict[str, Any]] | None = None
+    future: Future[AttackOutcome] | None = None
     started: float = 0.0
 
 
@@ -91,7 +92,7 @@ class RayExecutor(Executor):
         self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
                                                                     num_gpus, timeout)
         self.max_inflight, self.niceness, self._threads = max_inflight, niceness, 1
-        self._queue: list[tuple[AttackJob, Future[dict[str, Any]]]] = []
+        self._queue: list[tuple[AttackJob, Future[AttackOutcome]]] = []
         self._slots: list[_Slot] = []
         self._actor_class: Any = None
         self._started_ray = False
@@ -152,9 +153,9 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------------ jobs
 
-    def submit(self, job: AttackJob) -> Future[dict[str, Any]]:
+    def submit(self, job: AttackJob) -> Future[AttackOutcome]:
         self.start()
-        future: Future[dict[str, Any]] = Future()
+        future: Future[AttackOutcome] = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
             self._queue.append((job, future))
@@ -195,24 +196,24 @@ class RayExecutor(Executor):
                         verdicts.TIMEOUT, f"attack exceeded its hard timeout of "
                         f"{self.timeout:g}s (Ray actor killed)", now - slot.started))
 
-    def _finish(self, slot: _Slot, outcome: dict[str, Any]) -> None:
+    def _finish(self, slot: _Slot, outcome: AttackOutcome) -> None:
         """Deliver ``outcome``; replace the actor unless it finished its attack normally."""
         import ray
 
-        healthy = outcome["status"] not in (verdicts.TIMEOUT, verdicts.WORKER_DIED,
+        healthy = outcome.status not in (verdicts.TIMEOUT, verdicts.WORKER_DIED,
                                              verdicts.OUT_OF_MEMORY)
         future = slot.future
         with self._lock:
             if not healthy:
                 ray.kill(slot.actor, no_restart=True)
                 slot.actor = self._new_actor()
-                log.info("fl-attack: Ray attack actor replaced (%s)", outcome["status"])
+                log.info("fl-attack: Ray attack actor replaced (%s)", outcome.status)
             slot.ref, slot.future = None, None
         if future is not None:
             future.set_result(outcome)
 
     @staticmethod
-    def _result(ref: Any, seconds: float) -> dict[str, Any]:
+    def _result(ref: Any, seconds: float) -> AttackOutcome:
         import ray
         from ray import exceptions as rex
 

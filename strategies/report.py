@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.store import ClientAudit, image_grid, jsonable, png_bytes
+from fl_attack_flwr.pictures import image_grid, png_bytes
+from fl_attack_flwr.private_files import jsonable
+from fl_attack_flwr.records import ClientAudit
 
 __all__ = ["EXACT_DB", "READABLE_DB", "STYLE", "config_notes", "figure_png", "fmt", "html_table",
            "inline_png", "render_report", "strategy_notes", "summarize", "verdict"]

@@ -1,10 +1,10 @@
 """Running one attack job, wherever it runs (the server process, a worker process, a Ray actor).
 
 :func:`run_job` is the one function every executor calls. It never raises for what can happen
-to an attack: it returns an *outcome*, a plain dict that says what the server learned
-(``strategies/verdicts.py``): a reconstruction with its verdict, ``protected`` when the update
-does not reveal its batch, ``out-of-memory`` under the memory cap, ``attack-error`` with the
-exception otherwise.
+to an attack: it returns an :class:`~fl_attack_flwr.outcome.AttackOutcome` that says what the
+server learned (:mod:`fl_attack_flwr.verdicts`): a reconstruction with its verdict,
+``protected`` when the update does not reveal its batch, ``out-of-memory`` under the memory
+cap, ``attack-error`` with the exception otherwise.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import contextlib
 import resource
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from fl_attack_flwr import verdicts
+from fl_attack_flwr.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.replies import AttackJob
 
 __all__ = ["error_outcome", "run_job"]
@@ -23,48 +23,41 @@ __all__ = ["error_outcome", "run_job"]
 _GB = 1024**3
 
 
-def error_outcome(status: str, error: str, seconds: float = 0.0) -> dict[str, Any]:
-    """An outcome without a reconstruction (``status`` one of ``verdicts.ERRORS``)."""
-    return {"status": status, "reason": None, "error": error, "inputs": None, "summary": None,
-            "reading": None, "seconds": float(seconds)}
-
-
-def run_job(job: AttackJob, *, in_worker: bool = False) -> dict[str, Any]:
+def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
     """Attack ``job`` under each of its readings until one is certified; keep the best.
 
     ``in_worker`` applies the job's memory cap (never in the server's own process).
     """
     t0 = time.perf_counter()
-    best: dict[str, Any] | None = None
-    first_error: dict[str, Any] | None = None
+    best: AttackOutcome | None = None
+    first_error: AttackOutcome | None = None
     for reading in job.readings:
         with _memory_cap(job.memory_limit_gb if in_worker else None):
             out = _attack_once(job, reading)
-        if out["status"] == verdicts.PROTECTED:
+        if out.status == verdicts.PROTECTED:
             best = out  # the rank does not depend on the reading: no other reading can do better
             break
-        if out["status"] in verdicts.ERRORS:
+        if out.status in verdicts.ERRORS:
             first_error = first_error or out
-            if out["status"] == verdicts.OUT_OF_MEMORY:
+            if out.status == verdicts.OUT_OF_MEMORY:
                 break
             continue
         if best is None or _rank(out) > _rank(best):
             best = out
-        if best["status"] == verdicts.CERTIFIED:
+        if best.status == verdicts.CERTIFIED:
             break
     outcome = best or first_error or error_outcome(verdicts.ATTACK_ERROR, "no reading to try")
-    outcome["seconds"] = time.perf_counter() - t0
-    return outcome
+    return outcome.took(time.perf_counter() - t0)
 
 
-def _rank(out: dict[str, Any]) -> tuple[int, float]:
+def _rank(out: AttackOutcome) -> tuple[int, float]:
     """Order of outcomes: certified > complete > partial, then λ."""
     order = {verdicts.CERTIFIED: 2, verdicts.NOT_CERTIFIED: 1, verdicts.PARTIAL: 0}
-    lam = (out.get("summary") or {}).get("sparsity_match")
-    return order.get(out["status"], -1), -1.0 if lam is None else float(lam)
+    lam = out.summary_value("sparsity_match")
+    return order.get(out.status, -1), -1.0 if lam is None else float(lam)
 
 
-def _attack_once(job: AttackJob, reading: str) -> dict[str, Any]:
+def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
     import torch
 
     from fl_attack import invert
@@ -81,11 +74,9 @@ def _attack_once(job: AttackJob, reading: str) -> dict[str, Any]:
             update=reading, **job.invert_kwargs,
         )
     except NotIdentifiable as exc:
-        out = error_outcome(verdicts.PROTECTED, str(exc), time.perf_counter() - t0)
-        out["reason"] = verdicts.protected_reason(exc.reason, exc.rank, exc.limit)
-        out["error"] = None
-        out["reading"] = reading
-        return out
+        return AttackOutcome(verdicts.PROTECTED,
+                             reason=verdicts.protected_reason(exc.reason, exc.rank, exc.limit),
+                             reading=reading, seconds=time.perf_counter() - t0)
     except MemoryError as exc:
         return error_outcome(verdicts.OUT_OF_MEMORY, f"MemoryError: {exc}",
                              time.perf_counter() - t0)
@@ -94,9 +85,9 @@ def _attack_once(job: AttackJob, reading: str) -> dict[str, Any]:
         return error_outcome(status, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
     summary = rec.as_dict()
     status, reason = verdicts.reconstruction_verdict(summary)
-    return {"status": status, "reason": reason, "error": None,
-            "inputs": rec.inputs.detach().cpu().double().numpy(), "summary": summary,
-            "reading": reading, "seconds": time.perf_counter() - t0}
+    return AttackOutcome(status, reason=reason, reading=reading,
+                         seconds=time.perf_counter() - t0,
+                         inputs=rec.inputs.detach().cpu().double().numpy(), summary=summary)
 
 
 _OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memory")

@@ -4,6 +4,7 @@ an update of unknown kind are tried in order and the best-certified one is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, verdicts
 from fl_attack_flwr.executors import InlineExecutor, PoolExecutor
+from fl_attack_flwr.outcome import AttackOutcome
 from fl_attack_flwr.ray_executor import RayExecutor
 from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
 from fl_attack_flwr.running import run_job
@@ -56,12 +58,12 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> Non
         inline.close()
         pool.close()
         ray_ex.close()
-    assert ref["status"] in verdicts.RECONSTRUCTED
+    assert ref.status in verdicts.RECONSTRUCTED
     for out in outs:
-        assert out["status"] == ref["status"]
-        assert out["summary"]["batch_size"] == ref["summary"]["batch_size"]
-        if ref["status"] == verdicts.CERTIFIED:  # an exact reconstruction is the same anywhere
-            assert _same_rows(out["inputs"], ref["inputs"])
+        assert out.status == ref.status
+        assert out.summary["batch_size"] == ref.summary["batch_size"]
+        if ref.status == verdicts.CERTIFIED:  # an exact reconstruction is the same anywhere
+            assert _same_rows(out.inputs, ref.inputs)
 
 
 def test_ray_runs_at_most_max_inflight_attacks_and_replaces_a_timed_out_actor(
@@ -77,8 +79,8 @@ def test_ray_runs_at_most_max_inflight_attacks_and_replaces_a_timed_out_actor(
             time.sleep(0.01)
         outs = [f.result() for f in futures]
         assert peak == 1
-        assert {o["status"] for o in outs} == {outs[0]["status"]}
-        assert outs[0]["status"] in verdicts.RECONSTRUCTED
+        assert {o.status for o in outs} == {outs[0].status}
+        assert outs[0].status in verdicts.RECONSTRUCTED
         ray_ex.timeout = 0.05  # the actor is warm: only the attack runs into it
         timed_out = ray_ex.submit(job).result(timeout=120)
         ray_ex.timeout = 300.0
@@ -86,9 +88,9 @@ def test_ray_runs_at_most_max_inflight_attacks_and_replaces_a_timed_out_actor(
         queued = [ray_ex.submit(job) for _ in range(2)]
     finally:
         ray_ex.close()
-    assert timed_out["status"] == verdicts.TIMEOUT and "hard timeout" in timed_out["error"]
-    assert again["status"] == outs[0]["status"]
-    assert queued[-1].result(timeout=60)["status"] in (verdicts.UNFINISHED, *verdicts.RECONSTRUCTED)
+    assert timed_out.status == verdicts.TIMEOUT and "hard timeout" in timed_out.error
+    assert again.status == outs[0].status
+    assert queued[-1].result(timeout=60).status in (verdicts.UNFINISHED, *verdicts.RECONSTRUCTED)
 
 
 def test_pool_workers_run_at_the_niceness_asked_for() -> None:
@@ -120,9 +122,9 @@ def test_a_killed_worker_is_recorded_and_replaced(job: AttackJob) -> None:
         (pid,) = pool.busy_pids()
         os.kill(pid, signal.SIGKILL)
         out = future.result(timeout=60)
-        assert out["status"] == verdicts.WORKER_DIED and "died" in out["error"]
+        assert out.status == verdicts.WORKER_DIED and "died" in out.error
         again = pool.submit(job).result(timeout=300)  # a fresh worker took its place
-        assert again["status"] in verdicts.RECONSTRUCTED
+        assert again.status in verdicts.RECONSTRUCTED
         assert pid not in pool.worker_pids()
     finally:
         pool.close()
@@ -136,9 +138,9 @@ def test_a_hard_timeout_kills_the_attack_and_the_pool_goes_on(job: AttackJob) ->
         while not all(w.ready for w in pool._workers) and time.monotonic() < deadline:
             time.sleep(0.05)  # startup (importing torch) is not attack time
         out = pool.submit(job).result(timeout=120)
-        assert out["status"] == verdicts.TIMEOUT and "hard timeout" in out["error"]
+        assert out.status == verdicts.TIMEOUT and "hard timeout" in out.error
         pool.timeout = 300.0
-        assert pool.submit(job).result(timeout=300)["status"] in verdicts.RECONSTRUCTED
+        assert pool.submit(job).result(timeout=300).status in verdicts.RECONSTRUCTED
     finally:
         pool.close()
 
@@ -150,9 +152,9 @@ def test_a_memory_cap_gives_out_of_memory_and_the_pool_goes_on(job: AttackJob) -
     pool = PoolExecutor(1, timeout=300)
     try:
         out = pool.submit(capped).result(timeout=300)
-        assert out["status"] == verdicts.OUT_OF_MEMORY, out["error"]
+        assert out.status == verdicts.OUT_OF_MEMORY, out.error
         # the worker reported it and was replaced by a fresh one, which runs the next attack
-        assert pool.submit(job).result(timeout=300)["status"] in verdicts.RECONSTRUCTED
+        assert pool.submit(job).result(timeout=300).status in verdicts.RECONSTRUCTED
     finally:
         pool.close()
 
@@ -162,24 +164,23 @@ def test_closing_a_pool_marks_queued_jobs_unfinished(job: AttackJob) -> None:
     futures = [pool.submit(job) for _ in range(3)]
     pool.close()
     assert all(f.done() for f in futures)
-    assert {f.result()["status"] for f in futures} <= {verdicts.UNFINISHED,
+    assert {f.result().status for f in futures} <= {verdicts.UNFINISHED,
                                                         *verdicts.RECONSTRUCTED}
-    assert futures[-1].result()["status"] == verdicts.UNFINISHED
+    assert futures[-1].result().status == verdicts.UNFINISHED
 
 
 def _fake(outcomes: dict[str, dict]):
     calls: list[str] = []
 
-    def attack_once(job: AttackJob, reading: str) -> dict:
+    def attack_once(job: AttackJob, reading: str) -> AttackOutcome:
         calls.append(reading)
-        return {"reading": reading, "seconds": 0.0, "error": None, "inputs": None,
-                **outcomes[reading]}
+        return dataclasses.replace(outcomes[reading], reading=reading, seconds=0.0)
 
     return attack_once, calls
 
 
-def _res(status: str, lam: float | None = None) -> dict:
-    return {"status": status, "summary": None if lam is None else {"sparsity_match": lam}}
+def _res(status: str, lam: float | None = None) -> AttackOutcome:
+    return AttackOutcome(status, summary=None if lam is None else {"sparsity_match": lam})
 
 
 @pytest.mark.parametrize(("outcomes", "want", "tried"), [
@@ -205,4 +206,4 @@ def test_readings_are_tried_until_one_is_certified_and_the_best_is_kept(
     monkeypatch.setattr(running, "_attack_once", fake)
     auto = AttackJob(**{**job.__dict__, "readings": ("gradient", "fedavg")})
     out = run_job(auto)
-    assert out["reading"] == want and calls == tried
+    assert out.reading == want and calls == tried
