@@ -217,8 +217,8 @@ def repair(ctx: SearchContext, state: SearchState, Q: torch.Tensor) -> torch.Ten
 
 KERNEL_MARGIN = 6.0
 """A column's evidence rows pin it down when the second-smallest singular value of L on them
-exceeds this many noise units (:func:`zero_evidence`): mixtures of two samples of real narrow
-FedAvg updates measured 0.1-0.4, true columns of (20, 200) FedAvg updates 18 to 10⁵."""
+exceeds this many noise units (:func:`zero_evidence`): mixtures of two similar samples stay
+far below it, true columns far above (the values: ``experiments/results/tuning.md``)."""
 
 
 def zero_evidence(ctx: SearchContext, Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

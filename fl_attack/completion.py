@@ -204,8 +204,8 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     Besides at each rule this is checked after ``prune_at`` x B rows (many points are full rank
     long before their largest set). Sets of at most B rows skip the screen and go to the exact
     test as they are, and no point is dropped on B rows: a point's B most negative rows are rows
-    where most samples are inactive, and the screen passes 95.6-99.6% of their Gram matrices on
-    real batches (``experiments/results/core.md``), so its Cholesky factors would buy nothing.
+    where most samples are inactive, so their Gram matrices are singular or nearly so and the
+    screen would pass almost all of them (``experiments/results/tuning.md``).
     Sets on which a ``known`` column (B, F) vanishes skip the exact test
     (:func:`fl_attack.kernels.known_free`): their kernel can only give that column back.
     Past ``deadline`` no further chunk of points starts.

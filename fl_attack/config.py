@@ -14,8 +14,9 @@ FEDAVG_TAU = 0.2
 """Default τ for ``update="fedavg"``: the zero fraction a column must show (see ``update``)."""
 DEFAULT_MAX_SECONDS = 120.0
 """Default ``AttackConfig.max_seconds``: every call is bounded unless the caller passes
-``max_seconds=None``. Clean FedSGD batches up to (100, 1000) finish well within it on a 2-core
-CPU; larger layers (B = 150-210, m = 4000) need a larger budget or ``next_weight_grad``."""
+``max_seconds=None``. Sized for clean FedSGD batches up to (100, 1000); larger layers
+(B = 150-210, m = 4000) need a larger budget or ``next_weight_grad`` (the timings behind this
+are in ``experiments/results/tuning.md``)."""
 WIDE_LAYER = 500
 """Outputs m from which the search drops the PGD rounds and adds IRLS rounding by default."""
 
@@ -49,7 +50,7 @@ class AttackConfig:
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
-    better, see :mod:`fl_attack.input_layer`)."""
+    better, see :mod:`fl_attack.sides`)."""
 
     # --- decomposition (SPEAR §3.1, SPEAR++ §4.1) -----------------------------------------------
     batch_size: int | None = None
@@ -137,8 +138,8 @@ class AttackConfig:
     complete from there; the search then starts in the complement of what that found. Needs
     ``weight`` and ``bias``. None: on for layers with m ≥ :data:`WIDE_LAYER` outputs and clean
     single-step gradients (there the completions find columns at several times the search's
-    rate, ``experiments/results/core.md``), off on narrow layers (it lost the certificate of
-    one (30, 200) batch), FedAvg sums and noisy updates (``experiments/results/tuning.md``)."""
+    rate), off on narrow layers (where it gains little and can cost a certificate), FedAvg sums
+    and noisy updates (the measurements: ``experiments/results/tuning.md``)."""
     slice_samples: int = 2048
     """Points drawn on the slice of the missing samples, each round, when 2 or more columns are
     missing (``completion.sample_missing``, needs ``weight`` and ``bias``; for 2-3 after the

@@ -31,7 +31,8 @@ from fl_attack.scale import LayerSystem
 
 FAIL_MARGIN = -1e-2
 """Columns whose best normalised sign margin is below this are infeasible. True columns sit at
-≥ 0 up to the rounding of t = L⁺ g; the mixtures seen were at -0.15 to -0.4."""
+≥ 0 up to the rounding of t = L⁺ g; mixtures of similar samples fall clearly below it (the
+values measured on real batches are in ``experiments/results/tuning.md``)."""
 
 
 def max_margin(A: np.ndarray, b: np.ndarray, *, start: int | None = None,
@@ -46,8 +47,9 @@ def max_margin(A: np.ndarray, b: np.ndarray, *, start: int | None = None,
     bounded (δ ≤ 1). The full LP has one row per neuron (m = 4000) but only a few hundred
     rows bind near its optimum. After ``max_rounds`` rounds every row is taken.
     One HiGHS model takes the rows as they come, so each round's dual simplex starts from the
-    last round's optimal basis instead of from scratch (``experiments/results/core.md``: 2.6x
-    faster than re-solving with ``scipy.optimize.linprog``, the same optima).
+    last round's optimal basis instead of from scratch: the same optima as re-solving each
+    round with ``scipy.optimize.linprog``, at a fraction of the cost
+    (``experiments/results/tuning.md``).
     """
     n, d = A.shape
     start = 4 * (d + 1) if start is None else start

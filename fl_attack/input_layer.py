@@ -136,7 +136,7 @@ class InputMatch:
     """(B,) bool: ``x_i`` has no entry below ``-zero_rtol · max|x_i|`` and ``u_i > 0``."""
     chance_zeros: int = 0
     """Active units whose output gradient passed the zero test, counted as matches
-    (:func:`fl_attack.select.forgive_chance_zeros`)."""
+    (:func:`fl_attack.match.forgive_chance_zeros`)."""
 
 
 def pattern_match(

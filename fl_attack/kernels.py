@@ -32,8 +32,8 @@ def default_chunk(device: torch.device) -> int:
 def take_rows(padded: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The rows ``rows`` (k, w) of ``padded`` (m + 1, B), as (k, w, B).
 
-    ``index_select`` on the flattened index: the same values as ``padded[rows]``, about 3x
-    faster for float32 on the CPU (``experiments/results/core.md``).
+    ``index_select`` on the flattened index: the same values as ``padded[rows]``, and cheaper
+    on the CPU than advanced indexing with a 2-d index (``experiments/results/tuning.md``).
     """
     return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, padded.shape[1])
 
@@ -79,8 +79,8 @@ def plus_diagonal(gram: torch.Tensor, shift: torch.Tensor, *, inplace: bool = Fa
     """``gram + shift_k I`` for each matrix of ``gram`` (k, B, B), ``shift`` (k,).
 
     Shifting only the diagonal (of a copy unless ``inplace``) instead of broadcasting a
-    (k, B, B) multiple of the identity: ~20x cheaper, which mattered where every sampled row
-    set's Gram matrix is shifted before a Cholesky screen.
+    (k, B, B) multiple of the identity: no (k, B, B) temporary, one add per diagonal entry,
+    which matters where every sampled row set's Gram matrix is shifted before a Cholesky screen.
     """
     out = gram if inplace else gram.clone()
     out.diagonal(dim1=-2, dim2=-1).add_(shift[:, None].to(gram.dtype))
