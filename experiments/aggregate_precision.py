@@ -8,7 +8,8 @@ weights' magnitude, large next to a small update; the same weights averaged in f
 SecAgg+ server's dequantization computes) keep the update exact.
 
 For each batch seed, N clients' real FedSGD updates (photo crops, ReLU MLP), inverted as one batch
-under both arithmetics; appends a section to ``experiments/results/defences.md``.
+under both arithmetics; appends a section to ``experiments/results/defences.md`` (``--out`` to
+write elsewhere), one row per attack as it finishes.
 
     .venv/bin/python -m experiments.aggregate_precision [--seeds 3] [--max-seconds 30]
 """
@@ -16,19 +17,20 @@ under both arithmetics; appends a section to ``experiments/results/defences.md``
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from experiments.common import cpu_name
+from experiments import harness
+from experiments.defences import INTRO, RESULTS_MD, TITLE
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_MD = ROOT / "experiments" / "results" / "defences.md"
+MODULE = "experiments.aggregate_precision"
+COLUMNS = ("seed", "aggregate computed", "certified", "λ", "noise std (estimate)", "detected B",
+           "mean PSNR", "> 25 dB", "> 90 dB", "attack s")
+"""The columns of a run's table."""
 
 
 def aggregates(clients: int, batch: int, width: int, seed: int) -> tuple[dict, dict, dict,
@@ -74,42 +76,43 @@ def attack(w0: dict, avg: dict, originals: torch.Tensor, max_seconds: float) -> 
             "exact_psnr": int((psnr > 90).sum()), "seconds": rec.seconds}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--width", type=int, default=200)
     p.add_argument("--seeds", type=int, default=3, help="batch seeds 0..seeds-1")
-    p.add_argument("--max-seconds", type=float, default=30.0)
-    p.add_argument("--md", type=Path, default=RESULTS_MD)
+    harness.add_max_seconds(p, 30.0)
+    harness.add_out(p, RESULTS_MD, "--md")
     args = p.parse_args(argv)
+    harness.check_run_args(p, args)
     t0 = time.time()
-    lines = ["| seed | aggregate computed | certified | λ | noise std (estimate) | detected B | "
-             "mean PSNR | > 25 dB | > 90 dB | attack s |", "|---" * 10 + "|"]
+    harness.start_section(args.out, TITLE, INTRO, [
+        harness.section_heading(MODULE, argv) + ": the aggregate's arithmetic",
+        "",
+        harness.machine_line(),
+        "",
+        f"{args.clients} FedSGD clients x B = {args.batch_size} photos32 crops (random "
+        f"batches, seed per row), ReLU MLP 3 x {args.width}, lr 0.01; the average of "
+        "their weights inverted as one batch (first layer, SPEAR++, budget "
+        f"{args.max_seconds:g} s).",
+        "",
+        *harness.table_header(COLUMNS),
+    ])
+    n = args.clients * args.batch_size
     for seed in range(args.seeds):
         w0, f64, f32, originals = aggregates(args.clients, args.batch_size, args.width, seed)
         for name, avg in (("float64 mean", f64), ("Flower FedAvg (float32)", f32)):
             r = attack(w0, avg, originals, args.max_seconds)
-            n = args.clients * args.batch_size
-            lines.append(f"| {seed} | {name} | {'yes' if r['exact'] else 'no'} | "
-                         f"{r['lam']:.4f} | {r['noise'] or 0:.2g} | {r['B']} | {r['mean']:.1f} | "
-                         f"{r['readable']}/{n} | "
-                         f"{r['exact_psnr']}/{n} | {r['seconds']:.1f} |")
-            print(lines[-1], flush=True)
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    cmd = " ".join(["python -m experiments.aggregate_precision", *(argv or sys.argv[1:])])
-    section = [f"## {when}, `{cmd.strip()}` ({(time.time() - t0) / 60:.1f} min): the aggregate's "
-               "arithmetic", "",
-               f"Machine: {cpu_name()}, {os.cpu_count()} cores (shared with other agents' jobs), "
-               f"no GPU; Python {platform.python_version()}, torch {torch.__version__}. "
-               f"{args.clients} FedSGD clients x B = {args.batch_size} photos32 crops (random "
-               f"batches, seed per row), ReLU MLP 3 x {args.width}, lr 0.01; the average of "
-               "their weights inverted as one batch (first layer, SPEAR++, budget "
-               f"{args.max_seconds:g} s).", "", *lines, ""]
-    old = args.md.read_text() if args.md.exists() else ""
-    args.md.write_text(old.rstrip("\n") + "\n\n" + "\n".join(section))
-    print(f"appended to {args.md}")
+            row = harness.table_row([
+                seed, name, "yes" if r["exact"] else "no", f"{r['lam']:.4f}",
+                f"{r['noise'] or 0:.2g}", r["B"], f"{r['mean']:.1f}", f"{r['readable']}/{n}",
+                f"{r['exact_psnr']}/{n}", f"{r['seconds']:.1f}"])
+            print(row, flush=True)
+            harness.append_lines(args.out, row)
+    harness.append_lines(args.out, "", f"Run wall time {(time.time() - t0) / 60:.1f} min.")
+    print(f"appended to {args.out}")
     return 0
 
 

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.demo import DEMO_CONFIG, ROOT, _parse_value, _quiet, checked_config, simulate
+from experiments import harness
+from experiments.demo import DEMO_CONFIG, ROOT, checked_config, quiet_logging, simulate
 
 READABLE_DB = 25.0
 
@@ -154,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--noise must be numbers, got {args.noise!r}")
     config = {**DEMO_CONFIG, "protocol": "dpsgd", "num-server-rounds": args.rounds,
               "max-seconds": args.max_seconds, "lr": 0.1,
-              **{k.strip(): _parse_value(v.strip())
-                 for k, _, v in (s.partition("=") for s in args.set)}}
+              **harness.parse_assignments(parser, args.set, "--set", metavar="KEY=VALUE")}
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     try:
         for z in levels:  # every setting checked before the first run
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     Path(args.out).mkdir(parents=True, exist_ok=True, mode=0o700)
     out = make_private_dir(Path(args.out).absolute() / f"sweep-{stamp}", exist_ok=False)
-    _quiet()
+    quiet_logging()
     rows = []
     for z in levels:
         summary = simulate({**config, "noise-multiplier": z, "output-dir": str(out),

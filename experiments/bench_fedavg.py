@@ -5,59 +5,58 @@ the global ``relu_mlp(3072, m, 3)`` on one real batch of B photo crops
 (``fl_attack.testbed.simulate.local_update`` with ``protocol="fedavg"``) and sends back ``W_E``. The
 server inverts ``(W0 − W_E, b0 − b_E)`` with ``weight=W0, bias=b0``: the same low-rank structure as
 a gradient, with ∂L/∂Z replaced by the sum of the per-step output gradients (η cancels). The
-issue's target: 5 local steps (E = 5, b_mini = B) at B = 20, m = 200 → ≥ 90% of batches above
-25 dB.
+target measured against: 5 local steps (E = 5, b_mini = B) at B = 20, m = 200 → ≥ 90% of batches
+above 25 dB.
 
     python -m experiments.bench_fedavg --batches 3 --max-seconds 30
     python -m experiments.bench_fedavg --epochs 5 --minibatch B --lrs 0.01 --batches 20
 
-Writes a section per run to experiments/results/fedavg.md (rows appended as they finish).
+Appends a section per run to experiments/results/fedavg.md (``--out`` to write elsewhere; rows
+are appended as they finish). The attack and its score come from
+:mod:`experiments.update_attack`, the options, header and file from :mod:`experiments.harness`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments.bench_dp import (
+import torch
+
+from experiments import harness
+from experiments.update_attack import (
     DATASET,
     PSNR_OK,
     TARGET_PCT,
     BatchOutcome,
     SettingSummary,
-    append,
     attack_batch,
-    machine_line,
-    open_results,
-    parse_list,
-    parse_settings,
     print_batch,
     summarize,
-    table_rule,
     verdict,
 )
-from experiments.common import add_run_args, check_run_args
 from fl_attack import updates
 from fl_attack.testbed import data, models, simulate
 
-RESULTS = Path(__file__).parent / "results" / "fedavg.md"
+MODULE = "experiments.bench_fedavg"
+RESULTS = harness.RESULTS_DIR / "fedavg.md"
 DEFAULT_SETTINGS = "20x200"
 DEFAULT_EPOCHS = "1,5,20,50"
 DEFAULT_MINIBATCH = "B,5"
 DEFAULT_LRS = "0.1,0.01,0.001"
-TARGET = (20, 200, 5)  # (B, m, E) with b_mini = B: the issue's "5 local steps"
+TARGET = (20, 200, 5)  # (B, m, E) with b_mini = B: "5 local steps", ≥ 90% above 25 dB
 PAPER_LR = 0.01  # SPEAR's FedAvg experiments use η = 0.01
 
-FEDAVG_HEADER = ("| B | m | E | b_mini | η | local steps | batches | mean PSNR | % > 25 dB | "
-                 "% exact (λ=1) | detected B | median s | max s | median CPU s | FedSGD: % > 25 dB | "
-                 "FedSGD: median s | FedSGD: max s | FedSGD: median CPU s | setting wall s | "
-                 "papers (SPEAR App. F, SPEAR++ §5.3) |")
-FEDAVG_RULE = table_rule(FEDAVG_HEADER)
+FEDAVG_COLUMNS = (
+    "B", "m", "E", "b_mini", "η", "local steps", "batches", "mean PSNR", "% > 25 dB",
+    "% exact (λ=1)", "detected B", "median s", "max s", "median CPU s", "FedSGD: % > 25 dB",
+    "FedSGD: median s", "FedSGD: max s", "FedSGD: median CPU s", "setting wall s",
+    "papers (SPEAR App. F, SPEAR++ §5.3)",
+)
+"""The columns of a run's table: the same in every section of fedavg.md, so new rows fit."""
 
 
 def parse_minibatch(text: str) -> list[int | None]:
@@ -93,7 +92,9 @@ def paper_fedavg(B: int, epochs: int, b_mini: int | None, lr: float) -> str:
     return "—"
 
 
-def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr: float):
+def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr: float,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, int]:
     """One client's FedAvg update on batch ``seed``: ``(x, dW, db, W0, b0, steps)``."""
     x, y = data.sample_batch(DATASET, B, seed=seed)
     xn = data.normalize(x, DATASET)
@@ -104,7 +105,8 @@ def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr
     return x, dw, db, w0, b0, res.steps
 
 
-def fedsgd_update(B: int, m: int, seed: int):
+def fedsgd_update(B: int, m: int, seed: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FedSGD gradient of the same batch and model as :func:`fedavg_update`'s:
     ``(dW, db, W0, b0)`` of one full-batch step (η cancels)."""
     x, y = data.sample_batch(DATASET, B, seed=seed)
@@ -115,9 +117,9 @@ def fedsgd_update(B: int, m: int, seed: int):
 
 
 def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None,
-                 device: str | None) -> str:
-    """The FedSGD columns of a row: the same batches' one-step gradients attacked as
-    gradients (``update="gradient"``), "% > 25 dB | median s | max s | median CPU s"."""
+                 device: str | None) -> list[str]:
+    """The FedSGD cells of a row: the same batches' one-step gradients attacked as
+    gradients (``update="gradient"``): % > 25 dB, median s, max s, median CPU s."""
     outcomes = []
     for seed in seeds:
         x, _ = data.sample_batch(DATASET, B, seed=seed)
@@ -126,7 +128,7 @@ def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None
         print_batch(f"B={B} m={m} FedSGD", seed, o, B)
         outcomes.append(o)
     s = summarize(outcomes, B)
-    return f"{s.pct_ok:.0f} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f}"
+    return [f"{s.pct_ok:.0f}", f"{s.median_s:.1f}", f"{s.max_s:.1f}", f"{s.median_cpu_s:.1f}"]
 
 
 def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
@@ -140,7 +142,7 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
     rows = []
     for B, m in settings:
         seeds = range(first_seed, first_seed + batches)
-        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else "— | — | — | —"
+        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else ["—"] * 4
         for b_mini in minibatches:
             for epochs in epochs_list:
                 for lr in lrs:
@@ -164,13 +166,14 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                         print_batch(label, seed, o, B)
                     wall = time.perf_counter() - t0
                     s = summarize(outcomes, B)
-                    row = (f"| {B} | {m} | {epochs} | {bm} | {lr:g} | {steps} | {s.batches} | "
-                           f"{s.mean_psnr:.1f} | {s.pct_ok:.0f} | {s.pct_exact:.0f} | "
-                           f"{s.detected} | {s.median_s:.1f} | {s.max_s:.1f} | {s.median_cpu_s:.1f} | {sgd} | "
-                           f"{wall:.0f} | "
-                           f"{paper_fedavg(B, epochs, b_mini, lr)} |")
+                    row = harness.table_row([
+                        B, m, epochs, bm, f"{lr:g}", steps, s.batches, f"{s.mean_psnr:.1f}",
+                        f"{s.pct_ok:.0f}", f"{s.pct_exact:.0f}", s.detected, f"{s.median_s:.1f}",
+                        f"{s.max_s:.1f}", f"{s.median_cpu_s:.1f}", *sgd, f"{wall:.0f}",
+                        paper_fedavg(B, epochs, b_mini, lr),
+                    ])
                     print(row, flush=True)
-                    append(out, row)
+                    harness.append_lines(out, row)
                     for err in s.errors:
                         print(f"  error: {err}", flush=True)
                     rows.append((B, m, epochs, b_mini, lr, s))
@@ -179,7 +182,7 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
 
 def fedavg_conclusion(rows: Sequence[tuple[int, int, int, int | None, float, SettingSummary]],
                       max_seconds: float | None) -> list[str]:
-    """The notes under a run's table: errors, and the issue target met or not."""
+    """The notes under a run's table: errors, and the target met or not."""
     lines = [""]
     for B, m, e, bm, lr, s in rows:
         for err in s.errors:
@@ -189,7 +192,7 @@ def fedavg_conclusion(rows: Sequence[tuple[int, int, int, int | None, float, Set
     hits = [(lr, s.pct_ok) for B, m, e, bm, lr, s in rows
             if (B, m, e) == (tb, tm, te) and (bm is None or bm >= B)]
     if not hits:
-        lines.append(f"- Issue #3 target (B = {tb}, m = {tm}, 5 local steps: E = {te}, "
+        lines.append(f"- Target (B = {tb}, m = {tm}, 5 local steps: E = {te}, "
                      "b_mini = B): **not measured** in this run.")
         return lines
     detail = ", ".join(f"η = {lr:g}: {p:.0f}%" for lr, p in hits)
@@ -199,72 +202,69 @@ def fedavg_conclusion(rows: Sequence[tuple[int, int, int, int | None, float, Set
                 f"{verdict([p for _, p in hits])}")
     else:
         head = f"{verdict([p for _, p in hits])} (η = {PAPER_LR:g} not measured)"
-    lines.append(f"- Issue #3 target, B = {tb}, m = {tm}, FedAvg 5 local steps (E = {te}, "
+    lines.append(f"- Target, B = {tb}, m = {tm}, FedAvg 5 local steps (E = {te}, "
                  f"b_mini = B) → ≥ {TARGET_PCT:.0f}% of batches above {PSNR_OK:.0f} dB: {head} "
                  f"({detail}; max_seconds {max_seconds}).")
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the grid, run it and write the markdown section."""
+    """Parse the grid, run it and append its section to the results file."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS),
+    parser.add_argument("--settings", type=harness.parse_settings,
+                        default=harness.parse_settings(DEFAULT_SETTINGS),
                         help=f"comma-separated BxM (default {DEFAULT_SETTINGS})")
-    parser.add_argument("--epochs", type=lambda t: parse_list(t, int, "--epochs"),
-                        default=parse_list(DEFAULT_EPOCHS, int, "--epochs"),
+    parser.add_argument("--epochs", type=harness.list_of(int, "--epochs"),
+                        default=harness.parse_list(DEFAULT_EPOCHS, int, "--epochs"),
                         help=f"local epochs E (default {DEFAULT_EPOCHS})")
     parser.add_argument("--minibatch", type=parse_minibatch,
                         default=parse_minibatch(DEFAULT_MINIBATCH),
                         help=f"mini-batch sizes, B = full batch (default {DEFAULT_MINIBATCH})")
-    parser.add_argument("--lrs", type=lambda t: parse_list(t, float, "--lrs"),
-                        default=parse_list(DEFAULT_LRS, float, "--lrs"),
+    parser.add_argument("--lrs", type=harness.list_of(float, "--lrs"),
+                        default=harness.parse_list(DEFAULT_LRS, float, "--lrs"),
                         help=f"local learning rates η (default {DEFAULT_LRS})")
     parser.add_argument("--update", choices=("fedavg", "gradient"), default="fedavg",
                         help="the attack's `update` option (default fedavg: λ checks that each "
-                             "column's zeros are inactive units at W0; gradient: the single-step "
-                             "test, what runs before session 8 used)")
+                             "column's zeros are inactive units at W0; gradient: the "
+                             "single-step test of a FedSGD gradient)")
     parser.add_argument("--no-fedsgd", action="store_true",
                         help="skip the FedSGD columns (by default the same batches' one-step "
                              "gradients are attacked too, for the seconds beside FedAvg's)")
-    add_run_args(parser, RESULTS)
+    harness.add_run_args(parser, RESULTS)
     args = parser.parse_args(argv)
-    check_run_args(parser, args)
+    harness.check_run_args(parser, args)
     if any(e < 1 for e in args.epochs) or any(lr <= 0 for lr in args.lrs):
         parser.error("--epochs must be >= 1 and --lrs > 0")
 
-    started = dt.datetime.now(dt.UTC)
-    cmd = "python -m experiments.bench_fedavg " + " ".join(sys.argv[1:] if argv is None else argv)
     section = [
-        f"## {started:%Y-%m-%d %H:%M} UTC — `{cmd.strip()}`",
+        harness.section_heading(MODULE, argv),
         "",
-        machine_line() + ".",
+        harness.machine_line(args.device),
         "",
         f"Attack: `fl_attack.invert(..., update={args.update!r})`, otherwise default, "
         f"max_seconds {args.max_seconds} per batch; "
         f"{args.batches} batch(es) per setting (seeds {args.first_seed}.."
         f"{args.first_seed + args.batches - 1}).",
         "",
-        FEDAVG_HEADER,
-        FEDAVG_RULE,
+        *harness.table_header(FEDAVG_COLUMNS),
     ]
     intro = (
-        "Attack on FedAvg client updates (SPEAR App. F, SPEAR++ §5.3). Real CIFAR-shaped photo crops (`photos32`), "
-        "first layer of `relu_mlp(3072, m, 3)`; the client runs E local epochs of SGD "
-        "(mini-batches of b_mini from a seeded shuffle, learning rate η; `local steps` = E · "
-        "⌈B / b_mini⌉) and sends back float32 weights; the server inverts (W0 − W_E, b0 − b_E) "
-        "with weight = W0, bias = b0. Columns: mean matched PSNR (dB) of the denormalised "
-        "images; % of batches with mean PSNR > 25 dB (the papers' accuracy); % certified exact (λ = 1); "
-        "detected B (range, and how many batches gave the true B); seconds of `invert` per "
-        "batch (wall, and the process's CPU time: the attack's cost on a shared machine); "
-        "the same for the FedSGD gradient of the same batches and model (one "
-        "full-batch step, attacked as a gradient); the setting's wall time (local training + "
-        "FedAvg attacks). Produced by "
-        "`python -m experiments.bench_fedavg`.\n\n"
-        "Papers (SPEAR App. F, SPEAR++ §5.3): SPEAR (TinyImageNet, B = 20, η = 0.01): E = 1…20 → ≈ 98–109 dB, "
-        "97–100% of batches above 25 dB; E = 50 → 90%; b_mini = 5, E = 20 → 97%. SPEAR++ "
-        "(CIFAR-10): B = 20, m = 200 → 67.8 dB, 75% (E, b_mini, η lost).")
-    open_results(args.out, "FedAvg benchmark (issue #3)", intro, section)
+        "Attack on FedAvg client updates (SPEAR App. F, SPEAR++ §5.3). Real CIFAR-shaped photo "
+        "crops (`photos32`), first layer of `relu_mlp(3072, m, 3)`; the client runs E local "
+        "epochs of SGD (mini-batches of b_mini from a seeded shuffle, learning rate η; `local "
+        "steps` = E · ⌈B / b_mini⌉) and sends back float32 weights; the server inverts "
+        "(W0 − W_E, b0 − b_E) with weight = W0, bias = b0. Columns: mean matched PSNR (dB) of "
+        "the denormalised images; % of batches with mean PSNR > 25 dB (the papers' accuracy); "
+        "% certified exact (λ = 1); detected B (range, and how many batches gave the true B); "
+        "seconds of `invert` per batch (wall, and the process's CPU time: the attack's cost on "
+        "a shared machine); the same for the FedSGD gradient of the same batches and model "
+        "(one full-batch step, attacked as a gradient); the setting's wall time (local training "
+        "+ FedAvg attacks). Produced by `python -m experiments.bench_fedavg`.\n\n"
+        "Papers (SPEAR App. F, SPEAR++ §5.3): SPEAR (TinyImageNet, B = 20, η = 0.01): "
+        "E = 1…20 → ≈ 98–109 dB, 97–100% of batches above 25 dB; E = 50 → 90%; b_mini = 5, "
+        "E = 20 → 97%. SPEAR++ (CIFAR-10): B = 20, m = 200 → 67.8 dB, 75% (E, b_mini, η lost).")
+    harness.start_section(args.out, "FedAvg benchmark", intro, section)
     t0 = time.perf_counter()
     rows = run_fedavg(args.settings, args.epochs, args.minibatch, args.lrs, args.batches,
                       args.first_seed, args.max_seconds, args.device, args.out,
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
     for line in notes:
         print(line)
-    append(args.out, "\n".join(notes))
+    harness.append_lines(args.out, *notes)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ processes and on Ray actors, and ``background`` on the pool. Per run it records
   result, summed over rounds;
 * the time from the start of the run until the last result was stored,
 
-and writes ``experiments/results/flower.md`` (machine and date included).
+and appends a section (machine, date, command) to ``experiments/results/flower.md`` (``--out``
+to write elsewhere), one row per run as it finishes; each client count's plain run goes first,
+so that the audited rows can be given as multiples of its round.
 
     .venv/bin/python -m experiments.bench_flower [--clients 3 10 30] [--rounds 3]
 """
@@ -22,17 +24,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "experiments" / "results" / "flower.md"
+from experiments import harness
+
+MODULE = "experiments.bench_flower"
+OUT = harness.RESULTS_DIR / "flower.md"
+TITLE = "Flower: what the privacy audit costs a round, per executor and mode"
+INTRO = ("The same federation without the privacy audit and audited on each executor and mode; "
+         "produced by `make bench-flower` (`python -m experiments.bench_flower`).")
+COLUMNS = ("clients", "audit", "round (s)", "round 1 (s)", "× plain round", "attacks/min",
+           "last result (s)", "certified", "reconstructed", "mean PSNR (dB)")
+"""The columns of a run's table."""
+ALIGN = "rlrrrrrrrr"
+"""Numbers right-aligned, the audit's name left."""
 
 BASE: dict[str, Any] = {
     "protocol": "fedsgd", "dataset": "photos32", "dataset-size": 2000, "batch-size": 16,
@@ -58,7 +70,7 @@ def run_one(clients: int, rounds: int, name: str, workdir: Path) -> dict[str, An
     for key, value in cfg.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     t0 = time.time()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(args, cwd=harness.ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
         raise RuntimeError(f"simulation failed ({clients} clients, {name}):\n"
@@ -82,34 +94,19 @@ def run_one(clients: int, rounds: int, name: str, workdir: Path) -> dict[str, An
     }
 
 
-def _machine() -> str:
-    import flwr
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (attack on CPU)"
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; GPU: "
-            f"{gpu}; Python {platform.python_version()}, torch {torch.__version__}, flwr "
-            f"{flwr.__version__}")
-
-
 def _f(v: float | None, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def write_report(rows: list[dict[str, Any]], rounds: int, seconds: float, note: str) -> str:
-    """Markdown for ``experiments/results/flower.md``."""
-    lines = [
-        "# Flower: what the privacy audit costs a round, per executor and mode", "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with `make bench-flower` "
-        f"({seconds / 60:.1f} min in all). Machine: {_machine()}. {note}", "",
+def setup_lines(rounds: int, note: str, argv: Sequence[str] | None) -> list[str]:
+    """The section's opening: heading, machine, the federation's setup, the table header."""
+    import flwr
+
+    return [
+        harness.section_heading(MODULE, argv),
+        "",
+        harness.machine_line(versions={"flwr": flwr.__version__}) + (f" {note}" if note else ""),
+        "",
         f"Setup: FedSGD, photo crops shaped like CIFAR-10 (`{BASE['dataset']}`, IID partitions "
         f"of {BASE['dataset-size']}), B = {BASE['batch-size']} per client, ReLU MLP "
         f"{BASE['depth']} x {BASE['width']}, {rounds} rounds, Flower's simulation engine (Ray, "
@@ -117,25 +114,23 @@ def write_report(rows: list[dict[str, Any]], rounds: int, seconds: float, note: 
         f"with SPEAR++ (budget {BASE['max-seconds']:.0f} s), score it against the client's "
         "batch and store the pictures. Round = `configure_train` until the aggregate is "
         "returned (mean of rounds 2..R; round 1 also starts Ray's actors and the attack "
-        "workers). Attacks/min (rounds 2..R) = attacked updates over the time from each round's replies to "
-        "its last result. Last result = seconds from the start of the run.",
+        "workers). Attacks/min (rounds 2..R) = attacked updates over the time from each "
+        "round's replies to its last result. Last result = seconds from the start of the run.",
         "",
-        "| clients | audit | round (s) | round 1 (s) | × plain round | attacks/min "
-        "| last result (s) | certified | reconstructed | mean PSNR (dB) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *harness.table_header(COLUMNS, ALIGN),
     ]
-    plain = {r["clients"]: r["round"] for r in rows if r["config"] == "plain"}
-    for r in rows:
-        ratio = r["round"] / plain[r["clients"]] if plain.get(r["clients"]) else None
-        audited = r["config"] != "plain"
-        cert = f"{r['certified']}/{r['replies']}" if audited else "–"
-        recon = f"{r['reconstructed']}/{r['replies']}" if audited else "–"
-        lines.append(
-            f"| {r['clients']} | {r['config']} | {_f(r['round'], 2)} | {_f(r['round1'])} "
-            f"| {_f(ratio, 2)} | {_f(r['per_min']) if audited else '–'} "
-            f"| {_f(r['last_result']) if audited else '–'} | {cert} | {recon} "
-            f"| {_f(r['psnr'])} |")
-    return "\n".join(lines) + "\n"
+
+
+def report_row(r: dict[str, Any], plain: float | None) -> str:
+    """One run's table row; ``plain`` is the round time of the same clients without audit."""
+    ratio = r["round"] / plain if plain else None
+    audited = r["config"] != "plain"
+    cert = f"{r['certified']}/{r['replies']}" if audited else "–"
+    recon = f"{r['reconstructed']}/{r['replies']}" if audited else "–"
+    return harness.table_row([
+        r["clients"], r["config"], _f(r["round"], 2), _f(r["round1"]), _f(ratio, 2),
+        _f(r["per_min"]) if audited else "–", _f(r["last_result"]) if audited else "–",
+        cert, recon, _f(r["psnr"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,21 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--note", default="", help="said in the header (e.g. machine load)")
-    parser.add_argument("--out", type=Path, default=OUT)
+    harness.add_out(parser, OUT)
     args = parser.parse_args(argv)
+    configs = sorted(args.configs, key=lambda name: name != "plain")  # plain first
     t0 = time.time()
-    rows = []
+    harness.start_section(args.out, TITLE, INTRO, setup_lines(args.rounds, args.note, argv))
     with tempfile.TemporaryDirectory(prefix="bench-flower-") as tmp:
         for clients in args.clients:
-            for name in args.configs:
-                rows.append(run_one(clients, args.rounds, name, Path(tmp)))
-                print(json.dumps(rows[-1]), flush=True)
-    text = write_report(rows, args.rounds, time.time() - t0, args.note)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    old = args.out.read_text() if args.out.is_file() else ""
-    args.out.write_text(text + ("\n---\n\n" + old if old else ""))
-    print(text)
-    print(f"written {args.out}")
+            plain: float | None = None
+            for name in configs:
+                row = run_one(clients, args.rounds, name, Path(tmp))
+                print(json.dumps(row), flush=True)
+                if name == "plain":
+                    plain = row["round"]
+                line = report_row(row, plain)
+                print(line, flush=True)
+                harness.append_lines(args.out, line)
+    harness.append_lines(args.out, "", f"Run wall time {(time.time() - t0) / 60:.1f} min.")
+    print(f"appended to {args.out}")
     return 0
 
 

@@ -11,9 +11,10 @@ Protocol: real CIFAR-shaped photo crops (``data.sample_batch("photos32", B, seed
 hidden layers, of width 200; SPEAR's deeper-layer experiment used width 400), FedSGD float32
 gradients of the mean cross-entropy of every attacked layer of the *same* batch and model,
 ``fl_attack.invert(G, g, weight=W, bias=b, sparse=side, seed=s, max_seconds=...)`` with default
-options otherwise. Each reconstruction is scored against
-the layer's true inputs (``models.layer_inputs``). Writes ``experiments/results/layers.md``
-(overwritten: one run per file, with its machine, date and command).
+options otherwise. Each reconstruction is scored against the layer's true inputs
+(``models.layer_inputs``). Appends a section per run (machine, date, command) to
+``experiments/results/layers.md`` (``--out`` to write elsewhere); each (width, B)'s rows are
+written as soon as its batches are done.
 
     python -m experiments.bench_layers --batches 5 --max-seconds 60
     python -m experiments.bench_layers --batches 5 --sizes 10,20 --layers 1,2,3 --widths 200,400
@@ -22,23 +23,18 @@ the layer's true inputs (``models.layer_inputs``). Writes ``experiments/results/
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 import fl_attack
-from experiments.common import cpu_name
+from experiments import harness
 from fl_attack.testbed import data, metrics, models
 
-RESULTS = Path(__file__).parent / "results" / "layers.md"
+MODULE = "experiments.bench_layers"
+RESULTS = harness.RESULTS_DIR / "layers.md"
 SIDES = ("output", "input", "auto")
 #: A recovered input counts as right below this relative error ‖x̂ − x‖/‖x‖ (float32 gradients
 #: give ~1e-7..1e-5 on exact recoveries; a wrong or mixed row is off by 0.1 and more).
@@ -48,19 +44,20 @@ PAPER = ("SPEAR (paper, §6.2, Table 4): attacks layers 1-5 of a 6-layer ReLU ML
          "initialisation because the biases dominate; its headline CIFAR-10 number, on the first "
          "layer of a 6-layer width-200 MLP at B = 20, is 99% of batches exact (PSNR 106.6), "
          "1.7 min per batch on a GPU; no per-layer numbers at this width to compare with.")
-
-
-def code_version() -> str:
-    """The commit the attack code comes from, and whether ``fl_attack/`` had local changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fl_attack"], cwd=root,
-                               check=True, capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"commit {head}" + (" with uncommitted changes in fl_attack/" if dirty else "")
+TITLE = "Deeper layers: inverting through sparse outputs or sparse inputs"
+INTRO = ("Inverting hidden layers of a ReLU MLP through either sparse factor of the weight "
+         "gradient: the output gradients (`sparse=\"output\"`) or the inputs, which are the "
+         "previous ReLU's outputs (`sparse=\"input\"`); `\"auto\"` tries the output side, then "
+         "the input side. Produced by `python -m experiments.bench_layers`.")
+COLUMNS = ("width", "B", "layer", "side", "batches", "exact % (λ=1)", "all < 1e-3 %",
+           "samples < 1e-3 %", "false cert.", "median s", "max s", "→ input", "errors")
+"""The per-cell table's columns."""
+PATTERN_COLUMNS = ("width", "B", "layer", "input zero fraction", "shared zeros, inputs",
+                   "shared zeros, ∂L/∂z")
+"""The columns of the table of ReLU patterns per layer."""
+BATCH_COLUMNS = ("width", "B", "layer", "side", "seed", "side returned", "exact", "λ",
+                 "directions", "right samples", "max matched rel. err.", "s", "error")
+"""The columns of the per-batch table."""
 
 
 def rel_errors(inputs: torch.Tensor, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,75 +133,49 @@ def summarise(rows: list[dict], B: int) -> dict:
     }
 
 
-def main() -> None:
+def cell_row(width: int, B: int, layer: int, side: str, cell: list[dict]) -> str:
+    """The table row of one (width, B, layer, side) cell, from its batches' results."""
+    s = summarise(cell, B)
+    used = f"{s['input_used']}/{s['batches']}" if side == "auto" else "—"
+    return harness.table_row([
+        width, B, layer, side, s["batches"], f"{s['exact']:.0f}", f"{s['all_right']:.0f}",
+        f"{s['samples']:.1f}", s["false_cert"], f"{s['median_s']:.2f}", f"{s['max_s']:.2f}",
+        used, s["errors"]])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Attack every layer and side of each batch; append the section to the results file."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=5, help="batch seeds per cell (0..N-1)")
-    parser.add_argument("--sizes", default="20", help="batch sizes B, comma-separated")
-    parser.add_argument("--layers", default="1,2,3,4,5",
+    harness.add_batches(parser, 5, help="batch seeds per cell (0..N-1; default 5)")
+    parser.add_argument("--sizes", type=harness.list_of(int, "--sizes"), default="20",
+                        help="batch sizes B, comma-separated")
+    parser.add_argument("--layers", type=harness.list_of(int, "--layers"), default="1,2,3,4,5",
                         help="1-based Linear layers to attack (hidden ones: 1..depth)")
     parser.add_argument("--sides", default=",".join(SIDES))
-    parser.add_argument("--widths", default="200", help="MLP widths, comma-separated (SPEAR: 400)")
+    parser.add_argument("--widths", type=harness.list_of(int, "--widths"), default="200",
+                        help="MLP widths, comma-separated (SPEAR: 400)")
     parser.add_argument("--depth", type=int, default=5, help="hidden layers (SPEAR: 5)")
-    parser.add_argument("--dataset", default="photos32")
-    parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="wall-clock budget per attack (0: none)")
+    harness.add_dataset(parser)
+    harness.add_max_seconds(parser, 60.0, help="wall-clock budget per attack (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: shared CPU)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    harness.add_out(parser, RESULTS, "--output")
+    args = parser.parse_args(argv)
+    args.max_seconds = args.max_seconds or None
+    harness.check_run_args(parser, args)
     torch.set_num_threads(args.threads)
-    sizes = [int(v) for v in args.sizes.split(",")]
-    widths = [int(v) for v in args.widths.split(",")]
-    layers = [int(v) for v in args.layers.split(",")]
+    sizes, widths, layers = args.sizes, args.widths, args.layers
     if any(not 1 <= k <= args.depth for k in layers):
         parser.error(f"--layers must lie in 1..{args.depth} (hidden layers followed by a ReLU)")
     sides = [s for s in args.sides.split(",") if s]
     if any(s not in SIDES for s in sides):
         parser.error(f"--sides must be among {SIDES}")
-    budget = args.max_seconds or None
-    command = "python -m experiments.bench_layers " + shlex.join(sys.argv[1:])
-    version = code_version()  # the attack's modules are all imported by now
-    started = dt.datetime.now()
-    t_all = time.perf_counter()
-
-    rows: dict[tuple[int, int, int, str], list[dict]] = {}
-    patterns: dict[tuple[int, int, int], list[tuple[float, float, float]]] = {}
-    per_batch: list[str] = []
-    for width in widths:
-        for B in sizes:
-            for seed in range(args.batches):
-                x, y = data.sample_batch(args.dataset, B, seed=seed)
-                xn = data.normalize(x, args.dataset)
-                model = models.relu_mlp(xn[0].numel(), width, args.depth, seed=seed)
-                for layer in layers:
-                    G, g = models.layer_gradients(model, xn, y, layer=layer - 1)
-                    lin = models.linear_layers(model)[layer - 1]
-                    W, b = lin.weight.detach(), lin.bias.detach()
-                    X = models.layer_inputs(model, xn, layer=layer - 1).double()
-                    Z = X @ W.double().T + b.double()
-                    stats = (float((X == 0).double().mean()), shared_zero_fraction(X == 0),
-                             shared_zero_fraction(Z <= 0))
-                    patterns.setdefault((width, B, layer), []).append(stats)
-                    for side in (s for s in sides_for(layer) if s in sides):
-                        r = attack_layer(G, g, W, b, X, side, seed, budget)
-                        rows.setdefault((width, B, layer, side), []).append(r)
-                        lam = "-" if r["lam"] is None else f"{r['lam']:.4f}"
-                        line = (f"| {width} | {B} | {layer} | {side} | {seed} | {r['used']} | "
-                                f"{r['exact']} | {lam} | {r['found']}/{B} | {r['right']}/{B} | "
-                                f"{r['max_rel']:.1e} | {r['seconds']:.2f} | {r['error'] or ''} |")
-                        per_batch.append(line)
-                        print(line, flush=True)
-
-    minutes = (time.perf_counter() - t_all) / 60
+    budget = args.max_seconds
     n_in = 3072 if args.dataset == "photos32" else 784
-    out: list[str] = [
-        "# Deeper layers: inverting through sparse outputs or sparse inputs (issue #3 item 4)",
+    harness.start_section(args.out, TITLE, INTRO, [
+        harness.section_heading(MODULE, argv),
         "",
-        f"Measured {started:%Y-%m-%d %H:%M} with `{command}` ({minutes:.1f} min in all).",
-        "",
-        f"Machine: {cpu_name()}, {platform.platform()}, os.cpu_count() = {os.cpu_count()}, "
-        f"torch {torch.__version__} on CPU with {torch.get_num_threads()} thread(s), "
-        f"Python {platform.python_version()}. Code: {version}.",
+        harness.machine_line(),
         "",
         f"Setup: real `{args.dataset}` batches (seeds 0..{args.batches - 1}), one "
         f"`relu_mlp({n_in}, width, {args.depth}, seed=seed)` per seed ({args.depth} hidden "
@@ -223,47 +194,73 @@ def main() -> None:
         "batches certified but not all right (must be 0); *→ input* = batches where `auto` "
         "returned the input side; *errors* = attacks that raised.",
         "",
-        "| width | B | layer | side | batches | exact % (λ=1) | all < 1e-3 % | "
-        "samples < 1e-3 % | false cert. | median s | max s | → input | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for (width, B, layer, side), cell in rows.items():
-        s = summarise(cell, B)
-        used = f"{s['input_used']}/{s['batches']}" if side == "auto" else "—"
-        out.append(f"| {width} | {B} | {layer} | {side} | {s['batches']} | {s['exact']:.0f} | "
-                   f"{s['all_right']:.0f} | {s['samples']:.1f} | {s['false_cert']} | "
-                   f"{s['median_s']:.2f} | {s['max_s']:.2f} | {used} | {s['errors']} |")
-    out += [
+        *harness.table_header(COLUMNS),
+    ])
+    t_all = time.perf_counter()
+
+    patterns: dict[tuple[int, int, int], list[tuple[float, float, float]]] = {}
+    per_batch: list[str] = []
+    for width in widths:
+        for B in sizes:
+            rows: dict[tuple[int, str], list[dict]] = {}
+            for seed in range(args.batches):
+                x, y = data.sample_batch(args.dataset, B, seed=seed)
+                xn = data.normalize(x, args.dataset)
+                model = models.relu_mlp(xn[0].numel(), width, args.depth, seed=seed)
+                for layer in layers:
+                    G, g = models.layer_gradients(model, xn, y, layer=layer - 1)
+                    lin = models.linear_layers(model)[layer - 1]
+                    W, b = lin.weight.detach(), lin.bias.detach()
+                    X = models.layer_inputs(model, xn, layer=layer - 1).double()
+                    Z = X @ W.double().T + b.double()
+                    stats = (float((X == 0).double().mean()), shared_zero_fraction(X == 0),
+                             shared_zero_fraction(Z <= 0))
+                    patterns.setdefault((width, B, layer), []).append(stats)
+                    for side in (s for s in sides_for(layer) if s in sides):
+                        r = attack_layer(G, g, W, b, X, side, seed, budget)
+                        rows.setdefault((layer, side), []).append(r)
+                        lam = "-" if r["lam"] is None else f"{r['lam']:.4f}"
+                        line = harness.table_row([
+                            width, B, layer, side, seed, r["used"], r["exact"], lam,
+                            f"{r['found']}/{B}", f"{r['right']}/{B}", f"{r['max_rel']:.1e}",
+                            f"{r['seconds']:.2f}", r["error"] or ""])
+                        per_batch.append(line)
+                        print(line, flush=True)
+            # this (width, B)'s cells are complete: write them now, so an interrupted run
+            # keeps them
+            harness.append_lines(args.out, *(cell_row(width, B, layer, side, cell)
+                                             for (layer, side), cell in rows.items()))
+
+    minutes = (time.perf_counter() - t_all) / 60
+    out: list[str] = [
         "",
         "Why deeper layers are harder: the ReLU patterns of the samples converge with depth at "
         "initialisation. Mean over the batches of each layer's input zero fraction, and of the "
         "median share of a sample's zeros that its closest partner in the batch also has, for the "
         "inputs (input side) and for ∂L/∂z, i.e. pre-activations ≤ 0 (output side):",
         "",
-        "| width | B | layer | input zero fraction | shared zeros, inputs | shared zeros, ∂L/∂z |",
-        "|---|---|---|---|---|---|",
+        *harness.table_header(PATTERN_COLUMNS),
     ]
     for (width, B, layer), st in patterns.items():
         mean = [statistics.mean(v[i] for v in st) for i in range(3)]
         shared_in = f"{mean[1]:.2f}" if mean[0] > 0 else "— (dense)"
-        out.append(f"| {width} | {B} | {layer} | {mean[0]:.2f} | {shared_in} | {mean[2]:.2f} |")
+        out.append(harness.table_row([width, B, layer, f"{mean[0]:.2f}", shared_in,
+                                      f"{mean[2]:.2f}"]))
     out += [
         "",
         PAPER,
         "",
         "<details><summary>Per batch</summary>",
         "",
-        "| width | B | layer | side | seed | side returned | exact | λ | directions | "
-        "right samples | max matched rel. err. | s | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *harness.table_header(BATCH_COLUMNS),
         *per_batch,
         "",
         "</details>",
         "",
+        f"Run wall time {minutes:.1f} min.",
     ]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n".join(out), encoding="utf-8")
-    print(f"wrote {args.output}")
+    harness.append_lines(args.out, *out)
+    print(f"appended to {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Benchmark: SPEAR (sampling) vs SPEAR++ (dictionary learning) on the same batches (issue #3).
+"""Benchmark: SPEAR (sampling) vs SPEAR++ (dictionary learning) on the same batches.
 
-Issue #3's target: "SPEAR++ ≥ 20× faster than SPEAR at B = 20 with equal or better accuracy".
+The target measured against: "SPEAR++ ≥ 20× faster than SPEAR at B = 20 with equal or better
+accuracy".
 Both methods attack the SAME real photos32 batches (CIFAR-shaped photo crops) through the first
 layer of ``relu_mlp(3072, m, 3, seed=seed)`` (SPEAR++ protocol, as ``bench_core``), FedSGD, on the
 same machine, interleaved per batch (same gradient, back to back, the order alternating from batch
@@ -10,7 +11,9 @@ SPEAR's expected number of samples grows like ``B 2^(B-1)`` (SPEAR §5.2), so it
 wall-clock budget (``--max-seconds``, also given to SPEAR++) and a sampling cap high enough
 (2·10⁹, the paper's) that the budget is what stops it. A batch that runs out of budget is
 reported as such: its time is a lower bound, and so is any speed ratio that involves it.
-Writes ``experiments/results/spear_vs_spearpp.md`` (overwritten: one run per file).
+Appends a section per run to ``experiments/results/spear_vs_spearpp.md`` (``--out`` to write
+elsewhere): each B's two rows as soon as its batches are done, then the verdict and the
+per-batch details.
 
     python -m experiments.bench_methods --batches 5 --max-seconds 240
     python -m experiments.bench_methods --sizes 20 --batches 10 --max-seconds 600
@@ -19,23 +22,35 @@ Writes ``experiments/results/spear_vs_spearpp.md`` (overwritten: one run per fil
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 import fl_attack
-from experiments.common import cpu_name
+from experiments import harness
 from fl_attack.testbed import data, metrics, models
 
+MODULE = "experiments.bench_methods"
 METHODS = ("spear", "spear++")
-RESULTS = Path(__file__).parent / "results" / "spear_vs_spearpp.md"
+RESULTS = harness.RESULTS_DIR / "spear_vs_spearpp.md"
 TARGET_B, TARGET_RATIO = 20, 20.0
+TARGET = (f"SPEAR++ ≥ {TARGET_RATIO:.0f}× faster than SPEAR at B = {TARGET_B} with equal or "
+          "better accuracy")
+"""The target measured against."""
 PSNR_OK = 90.0
+TITLE = "SPEAR vs SPEAR++"
+INTRO = ("SPEAR (sampling) and SPEAR++ (dictionary learning) on the same real batches, "
+         "interleaved per batch on the same machine; measured against the target: "
+         f"{TARGET}. Produced by `python -m experiments.bench_methods`.")
+COLUMNS = ("B", "m", "batches", "method", "median s/batch", "acc % (>90 dB)", "exact % (λ=1)",
+           "mean PSNR", "out of budget", "speed ratio SPEAR/SPEAR++")
+"""The columns of the per-B table (two rows per B)."""
+BATCH_COLUMNS = ("B", "seed", "method", "s", "PSNR", "λ", "directions", "search steps",
+                 "out of budget")
+"""The columns of the per-batch table."""
 
 
 def batch_problem(B: int, m: int, seed: int, dataset: str) -> tuple[torch.Tensor, dict]:
@@ -92,7 +107,8 @@ def ratio_text(spear: dict, spearpp: dict) -> tuple[float, str]:
 
 
 def verdict(results: dict[int, dict[str, list[dict]]], max_seconds: float) -> str:
-    """State issue #3's target as met, not met, or undecided at this budget, with the numbers."""
+    """State the target (:data:`TARGET`) as met, not met, or undecided at this budget, with
+    the numbers."""
     if TARGET_B not in results:
         return f"Not measured: B = {TARGET_B} was not part of this run."
     sp, spp = summarise(results[TARGET_B]["spear"]), summarise(results[TARGET_B]["spear++"])
@@ -115,25 +131,17 @@ def verdict(results: dict[int, dict[str, list[dict]]], max_seconds: float) -> st
             f"{TARGET_RATIO:.0f}×); {acc}.")
 
 
-def write_report(path: Path, args: argparse.Namespace, results: dict[int, dict[str, list[dict]]],
-                 elapsed: float, load: tuple[float, float]) -> None:
-    """Markdown: setup, machine, the per-B comparison, the verdict, per-batch details."""
-    machine = (f"{cpu_name()} (`platform.processor()` = {platform.processor()!r}), "
-               f"os.cpu_count() = {os.cpu_count()}, torch {torch.__version__} on CPU with "
-               f"{args.threads} thread(s), Python {platform.python_version()}")
-    lines = [
-        "# SPEAR vs SPEAR++ (issue #3)",
+def setup_lines(args: argparse.Namespace, load: float) -> list[str]:
+    """The section's opening: heading, machine and load, setup, the per-B table's header."""
+    return [
+        harness.section_heading(MODULE, args.argv),
         "",
-        f"Measured {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} with `python -m "
-        f"experiments.bench_methods --sizes {args.sizes} --width {args.width} --batches "
-        f"{args.batches} --max-seconds {args.max_seconds} --threads {args.threads}` "
-        f"({elapsed / 60:.1f} min in all).",
+        harness.machine_line(),
         "",
-        f"Machine: {machine}. The machine was **shared** with other experiments during the "
-        f"run (1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
-        f"{os.cpu_count()} cores): absolute seconds are inflated and noisy. The two methods "
-        "ran interleaved on each batch (same gradient, back to back, order alternating), so "
-        "both saw the same load and the ratio is fair.",
+        f"Load: 1-min load average {load:.1f} at the start on {os.cpu_count()} cores (the end's "
+        "is under the table). On a shared machine absolute seconds are inflated and noisy; the "
+        "two methods ran interleaved on each batch (same gradient, back to back, order "
+        "alternating), so both saw the same load and the ratio is fair.",
         "",
         f"Setup: real `{args.dataset}` batches (CIFAR-shaped crops of real photographs), "
         f"{args.batches} batches per B (seeds 0..{args.batches - 1}), first layer of "
@@ -146,61 +154,67 @@ def write_report(path: Path, args: argparse.Namespace, results: dict[int, dict[s
         "Speed ratio = median SPEAR seconds / median SPEAR++ seconds (`≥`: SPEAR's median hit "
         "the budget, so its true time and the ratio are larger).",
         "",
-        "| B | m | batches | method | median s/batch | acc % (>90 dB) | exact % (λ=1) | "
-        "mean PSNR | out of budget | speed ratio SPEAR/SPEAR++ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *harness.table_header(COLUMNS),
     ]
-    for B, by_method in results.items():
-        sp, spp = summarise(by_method["spear"]), summarise(by_method["spear++"])
-        _, text = ratio_text(sp, spp)
-        for name, s in (("SPEAR", sp), ("SPEAR++", spp)):
-            lines.append(
-                f"| {B} | {args.width} | {s['batches']} | {name} | {s['median_s']:.1f} | "
-                f"{s['acc']:.0f} | {s['exact']:.0f} | {s['psnr']:.1f} | "
-                f"{s['out_of_budget']}/{s['batches']} | {text if name == 'SPEAR++' else ''} |")
-    lines += ["", "Issue #3 target — SPEAR++ ≥ 20× faster than SPEAR at B = 20 with equal or "
-              "better accuracy: " + verdict(results, args.max_seconds), "",
-              "<details><summary>Per batch</summary>", "",
-              "| B | seed | method | s | PSNR | λ | directions | search steps | out of budget |",
-              "|---|---|---|---|---|---|---|---|---|"]
+
+
+def size_rows(B: int, width: int, by_method: dict[str, list[dict]]) -> list[str]:
+    """The two table rows (SPEAR, SPEAR++) of one batch size B."""
+    sp, spp = summarise(by_method["spear"]), summarise(by_method["spear++"])
+    _, text = ratio_text(sp, spp)
+    return [harness.table_row([
+        B, width, s["batches"], name, f"{s['median_s']:.1f}", f"{s['acc']:.0f}",
+        f"{s['exact']:.0f}", f"{s['psnr']:.1f}", f"{s['out_of_budget']}/{s['batches']}",
+        text if name == "SPEAR++" else ""])
+        for name, s in (("SPEAR", sp), ("SPEAR++", spp))]
+
+
+def closing_lines(args: argparse.Namespace, results: dict[int, dict[str, list[dict]]],
+                  elapsed: float, load: float) -> list[str]:
+    """The section's end: the verdict, the per-batch details, the load and wall time."""
+    lines = ["", f"Target — {TARGET}: " + verdict(results, args.max_seconds), "",
+             "<details><summary>Per batch</summary>", "", *harness.table_header(BATCH_COLUMNS)]
     for B, by_method in results.items():
         for seed in range(len(by_method["spear"])):
             for method in METHODS:
                 r = by_method[method][seed]
                 lam = f"{r['lam']:.4f}" if r["lam"] is not None else "—"
-                lines.append(
-                    f"| {B} | {seed} | {method} | {r['seconds']:.1f} | {r['psnr']:.1f} | {lam} | "
-                    f"{r['found']}/{r['B']} | {r['rounds']} | {'yes' if r['out_of_budget'] else ''}"
-                    " |")
-    lines += ["", "</details>", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+                lines.append(harness.table_row([
+                    B, seed, method, f"{r['seconds']:.1f}", f"{r['psnr']:.1f}", lam,
+                    f"{r['found']}/{r['B']}", r["rounds"], "yes" if r["out_of_budget"] else ""]))
+    lines += ["", "</details>", "",
+              f"1-min load average at the end {load:.1f}; run wall time {elapsed / 60:.1f} min."]
+    return lines
 
 
-def main() -> None:
-    """Run the comparison and write the report (see the module docstring)."""
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the comparison and append its section to the results file (see the module
+    docstring)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="10,15,20,25", help="batch sizes B, comma-separated")
+    parser.add_argument("--sizes", type=harness.list_of(int, "--sizes"), default="10,15,20,25",
+                        help="batch sizes B, comma-separated")
     parser.add_argument("--width", type=int, default=200, help="layer width m")
-    parser.add_argument("--batches", type=int, default=5, help="batches per B")
-    parser.add_argument("--max-seconds", type=float, default=240.0,
-                        help="per-batch wall-clock budget of each method")
+    harness.add_batches(parser, 5, help="batches per B (default 5)")
+    harness.add_max_seconds(parser, 240.0, help="per-batch wall-clock budget of each method "
+                                                "(default 240)")
     parser.add_argument("--max-samples", type=int, default=2_000_000_000,
                         help="SPEAR's sampling cap (the paper's 2e9)")
-    parser.add_argument("--dataset", default="photos32")
+    harness.add_dataset(parser)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is far more stable on a shared 2-core machine)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    harness.add_out(parser, RESULTS)
+    args = parser.parse_args(argv)
+    harness.check_run_args(parser, args)
+    args.argv = argv
     torch.set_num_threads(args.threads)
-    load0 = os.getloadavg()[0]
     start = time.perf_counter()
     results: dict[int, dict[str, list[dict]]] = {}
     x, server = batch_problem(4, args.width, 10_000, args.dataset)
     for method in METHODS:  # one-time initialisation (~6 s for SPEAR++'s optimiser) off the clock
         run_method(x, server, method, 0, args.dataset, args.max_seconds, args.max_samples)
-    for B in (int(v) for v in args.sizes.split(",")):
+    harness.start_section(args.out, TITLE, INTRO, setup_lines(args, os.getloadavg()[0]))
+    for B in args.sizes:
         results[B] = {m: [] for m in METHODS}
         for seed in range(args.batches):
             x, server = batch_problem(B, args.width, seed, args.dataset)
@@ -213,11 +227,12 @@ def main() -> None:
                 print(f"B={B} batch {seed} {method:8s} {r['seconds']:7.1f}s  PSNR "
                       f"{r['psnr']:6.1f}  λ={lam}  {r['found']}/{r['B']}  steps {r['rounds']}"
                       f"{'  OUT OF BUDGET' if r['out_of_budget'] else ''}", flush=True)
-        # rewrite after every B: a long run keeps what it finished
-        write_report(args.out, args, results, time.perf_counter() - start,
-                     (load0, os.getloadavg()[0]))
+        # append after every B: a long run keeps what it finished
+        harness.append_lines(args.out, *size_rows(B, args.width, results[B]))
+    harness.append_lines(args.out, *closing_lines(args, results, time.perf_counter() - start,
+                                                  os.getloadavg()[0]))
     print(verdict(results, args.max_seconds))
-    print(f"wrote {args.out}")
+    print(f"appended to {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Benchmark: SPEAR / SPEAR++ on the real UCI Adult table (issue #3 item 5), next to SPEAR's paper.
+"""Benchmark: SPEAR / SPEAR++ on the real UCI Adult table, next to SPEAR's paper.
 
 SPEAR's tabular protocol: batches of B = 16 Adult rows (6 standardised continuous features, 8
 one-hot categorical ones), the first layer of a 6-layer ReLU MLP of width 200, FedSGD gradients.
 Reported per method: discrete accuracy (argmax category right, after optimally matching rows),
 continuous MAE in original units (``fl_attack.testbed.tabular.score_tabular``: mean over the 6 continuous
 features of the absolute error in the feature's own unit — years, dollars, fnlwgt, hours), the
-share of batches certified exact (λ = 1) and the seconds per batch. Writes
-``experiments/results/tabular.md`` (overwritten: one run per file, with its machine and date).
+share of batches certified exact (λ = 1) and the seconds per batch. Appends a section per run
+(machine, date, command) to ``experiments/results/tabular.md`` (``--out`` to write elsewhere)
+when the run is done.
 
     python -m experiments.bench_tabular --batches 20
     python -m experiments.bench_tabular --batches 20 --methods spear++ --threads 2
@@ -15,21 +16,28 @@ share of batches certified exact (λ = 1) and the seconds per batch. Writes
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
 import fl_attack
-from experiments.common import cpu_name
+from experiments import harness
 from fl_attack.testbed import models, tabular
 
+MODULE = "experiments.bench_tabular"
 PAPER = {"discrete_acc": 100.0, "mae": 20.4, "minutes": 0.4}  # SPEAR §6.1, Adult B = 16
-RESULTS = Path(__file__).parent / "results" / "tabular.md"
+RESULTS = harness.RESULTS_DIR / "tabular.md"
+TITLE = "SPEAR / SPEAR++ on UCI Adult"
+INTRO = ("SPEAR's tabular protocol on the real UCI Adult table, next to SPEAR's paper (§6.1). "
+         "Produced by `python -m experiments.bench_tabular`.")
+COLUMNS = ("method", "batches", "discrete acc %", "batches with 100% discrete",
+           "continuous MAE (mean / median / max)", "exact % (λ=1)", "median s/batch",
+           "max s/batch")
+"""The columns of the summary table."""
+BATCH_COLUMNS = ("seed", "method", "s", "discrete acc %", "continuous MAE", "λ", "directions")
+"""The columns of the per-batch table."""
 
 
 def attack_batch(data: tabular.AdultData, seed: int, method: str, batch_size: int, width: int,
@@ -69,21 +77,13 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
-def write_report(path: Path, args: argparse.Namespace, results: dict[str, list[dict]],
-                 continuous: list[str], elapsed: float) -> None:
-    """Write the markdown report: setup, machine, summary table next to the paper, details."""
-    machine = (f"{cpu_name()} (`platform.processor()` = {platform.processor()!r}), "
-               f"os.cpu_count() = {os.cpu_count()}, torch {torch.__version__} on CPU with "
-               f"{args.threads} thread(s), Python {platform.python_version()}")
+def report_lines(args: argparse.Namespace, results: dict[str, list[dict]],
+                 continuous: list[str], elapsed: float) -> list[str]:
+    """The run's section: heading, machine, setup, summary next to the paper, details."""
     lines = [
-        "# SPEAR / SPEAR++ on UCI Adult (issue #3 item 5)",
+        harness.section_heading(MODULE, args.argv),
         "",
-        f"Measured {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} with "
-        f"`python -m experiments.bench_tabular --batches {args.batches} --methods "
-        f"{args.methods} --threads {args.threads} --max-seconds {args.max_seconds}` "
-        f"({elapsed / 60:.1f} min in all).",
-        "",
-        f"Machine: {machine}.",
+        harness.machine_line(),
         "",
         f"Setup: real UCI Adult training rows (`fl_attack.testbed.tabular`, 104 encoded columns), "
         f"{args.batches} batches of B = {args.batch_size} (seeds 0..{args.batches - 1}; the "
@@ -99,56 +99,55 @@ def write_report(path: Path, args: argparse.Namespace, results: dict[str, list[d
         "education-num, capital-gain, capital-loss, hours-per-week), then over batches; "
         "*exact* = % of batches certified by λ = 1.",
         "",
-        "| method | batches | discrete acc % | batches with 100% discrete | continuous MAE "
-        "(mean / median / max) | exact % (λ=1) | median s/batch | max s/batch |",
-        "|---|---|---|---|---|---|---|---|",
+        *harness.table_header(COLUMNS),
     ]
     for method, rows in results.items():
         s = summarise(rows)
-        lines.append(
-            f"| {method} | {s['batches']} | {s['acc']:.2f} | {s['perfect']:.0f}% | "
-            f"{s['mae']:.3g} / {s['median_mae']:.3g} / {s['max_mae']:.3g} | {s['exact']:.0f} | "
-            f"{s['median_s']:.2f} | {s['max_s']:.2f} |")
-    lines.append(f"| SPEAR paper (GPU) | — | {PAPER['discrete_acc']:.0f} | — | "
-                 f"{PAPER['mae']} | — | {PAPER['minutes'] * 60:.0f} (0.4 min) | — |")
+        lines.append(harness.table_row([
+            method, s["batches"], f"{s['acc']:.2f}", f"{s['perfect']:.0f}%",
+            f"{s['mae']:.3g} / {s['median_mae']:.3g} / {s['max_mae']:.3g}", f"{s['exact']:.0f}",
+            f"{s['median_s']:.2f}", f"{s['max_s']:.2f}"]))
+    lines.append(harness.table_row([
+        "SPEAR paper (GPU)", "—", f"{PAPER['discrete_acc']:.0f}", "—", PAPER["mae"], "—",
+        f"{PAPER['minutes'] * 60:.0f} (0.4 min)", "—"]))
     lines += ["", "Mean absolute error per continuous feature (original units, mean over "
-              "batches):", "",
-              "| method | " + " | ".join(continuous) + " |",
-              "|---|" + "---|" * len(continuous)]
+              "batches):", "", *harness.table_header(["method", *continuous])]
     for method, rows in results.items():
         cells = []
         for f in continuous:
             vals = [r["feature_mae"][f] for r in rows if f in r["feature_mae"]]
             cells.append(f"{statistics.mean(vals):.2g}" if vals else "—")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append(harness.table_row([method, *cells]))
     lines += ["", "<details><summary>Per batch</summary>", "",
-              "| seed | method | s | discrete acc % | continuous MAE | λ | directions |",
-              "|---|---|---|---|---|---|---|"]
+              *harness.table_header(BATCH_COLUMNS)]
     for method, rows in results.items():
         for r in rows:
             lam = f"{r['lam']:.4f}" if r["lam"] is not None else "—"
-            lines.append(f"| {r['seed']} | {method} | {r['seconds']:.2f} | {r['acc']:.1f} | "
-                         f"{r['mae']:.3g} | {lam} | {r['found']}/{r['B']} |")
-    lines += ["", "</details>", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+            lines.append(harness.table_row([
+                r["seed"], method, f"{r['seconds']:.2f}", f"{r['acc']:.1f}", f"{r['mae']:.3g}",
+                lam, f"{r['found']}/{r['B']}"]))
+    lines += ["", "</details>", "", f"Run wall time {elapsed / 60:.1f} min."]
+    return lines
 
 
-def main() -> None:
-    """Run the benchmark and write the report (see the module docstring)."""
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the benchmark and append its section to the results file (see the module
+    docstring)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=20)
+    harness.add_batches(parser, 20)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--width", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=5,
                         help="hidden layers (5 + the output layer = SPEAR's 6-layer MLP)")
     parser.add_argument("--methods", default="spear++,spear")
-    parser.add_argument("--max-seconds", type=float, default=300.0)
+    harness.add_max_seconds(parser, 300.0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is far more stable on a shared 2-core machine)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    harness.add_out(parser, RESULTS)
+    args = parser.parse_args(argv)
+    harness.check_run_args(parser, args)
+    args.argv = argv
     torch.set_num_threads(args.threads)
     data = tabular.load_adult("train")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -163,10 +162,12 @@ def main() -> None:
             results[method].append(r)
             print(f"batch {seed} {method:8s} acc {r['acc']:6.2f}%  MAE {r['mae']:.3g}  "
                   f"exact {r['exact']}  {r['found']}/{r['B']}  {r['seconds']:.2f}s", flush=True)
-    write_report(args.out, args, results, data.continuous, time.perf_counter() - start)
+    harness.start_section(args.out, TITLE, INTRO,
+                          report_lines(args, results, data.continuous,
+                                       time.perf_counter() - start))
     for method, rows in results.items():
         print(method, summarise(rows), flush=True)
-    print(f"wrote {args.out}")
+    print(f"appended to {args.out}")
 
 
 if __name__ == "__main__":

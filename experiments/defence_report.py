@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import harness
 from experiments.defence_variants import Defence, claimed_epsilon
 from fl_attack_flwr import report, verdicts
 from fl_attack_flwr.report import EXACT_DB, READABLE_DB, fmt
@@ -151,9 +152,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The table as Markdown (one line per defence)."""
-    out = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    out += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows]
-    return "\n".join(out)
+    cells = ([c.replace("|", "\\|") for c in _cells(r)] for r in rows)
+    return "\n".join(harness.markdown_table(_COLUMNS, cells))
 
 
 def baseline_accuracy(rows: Sequence[dict[str, Any]]) -> float | None:

@@ -30,22 +30,22 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from experiments.common import cpu_name
+from experiments import harness
 from experiments.defence_variants import SIZES, Defence, Size, matrix
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_MD = ROOT / "experiments" / "results" / "defences.md"
-RESULTS_HTML = ROOT / "experiments" / "results" / "defences.html"
+MODULE = "experiments.defences"
+ROOT = harness.ROOT
+RESULTS_MD = harness.RESULTS_DIR / "defences.md"
+RESULTS_HTML = harness.RESULTS_DIR / "defences.html"
 
-_INTRO = """# Which defence protects you?
-
-The same audited federation under each defence Flower offers; the server inverts what it
+TITLE = "Which defence protects you?"
+"""The title of ``defences.md`` (also used by :mod:`experiments.aggregate_precision`)."""
+INTRO = """The same audited federation under each defence Flower offers; the server inverts what it
 receives in round 1 (SPEAR++, first layer) and scores it against the clients' true samples.
 Produced by `python -m experiments.defences` (see its docstring); the newest run's HTML page
 (table, plot, plain words) is `experiments/results/defences.html`.
@@ -75,6 +75,7 @@ composed over rounds); central DP the client-level ε of its Gaussian noise on t
 `dp-accounting` package, not installed here); `LocalDpMod` the ε it is configured with, per
 round, and R·ε over R rounds by basic composition.
 """
+"""What ``defences.md`` opens with under its title: how the rows are built."""
 
 
 def base_config(size: Size, out_dir: Path, executor: str) -> dict[str, Any]:
@@ -107,15 +108,14 @@ def simulate(defences: list[Defence], base: dict[str, Any], *, num_cpus: int | N
                    verbose_logging=verbose)
 
 
-def _header(args: argparse.Namespace, size: Size, seconds: float) -> str:
+def run_header(args: argparse.Namespace, size: Size, seconds: float) -> str:
+    """The run's one-line header: date, command, machine and versions, the federation."""
     import flwr
-    import torch
 
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return (f"{when}, `python -m experiments.defences {' '.join(args.argv)}`".rstrip() +
-            f" ({seconds / 60:.1f} min). Machine: {cpu_name()}, {os.cpu_count()} cores "
-            f"(shared with other agents' jobs: times are under load), no GPU; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, flwr {flwr.__version__}. "
+    when = harness.utc_now()
+    return (f"{when:%Y-%m-%d %H:%M} UTC, `{harness.command_line(MODULE, args.argv)}` "
+            f"({seconds / 60:.1f} min). "
+            f"{harness.machine_line(versions={'flwr': flwr.__version__})} "
             f"Federation: {size.clients} clients, photos32, ReLU MLP 3 x {size.width}, "
             f"B = {size.batch_size} (FedAvg rows: their own B), {size.rounds} rounds, lr 0.01; "
             f"round 1 attacked (SPEAR++, budget {size.max_seconds:g} s per attack); accuracy = "
@@ -124,16 +124,13 @@ def _header(args: argparse.Namespace, size: Size, seconds: float) -> str:
 
 
 def write_results(rows: list[dict[str, Any]], header: str, md: Path, html: Path) -> None:
-    """Append a section to ``md`` (created with its intro) and write the HTML page."""
+    """Append a section to ``md`` (created with its title and intro) and write the HTML page."""
     from experiments.defence_report import baseline_accuracy, markdown_table, render_html, sentence
     from fl_attack_flwr.store import atomic_write_bytes
 
     base = baseline_accuracy(rows)
-    section = "\n".join([f"## {header}", "", markdown_table(rows), "", *[
-        f"- {sentence(r, base)}" for r in rows], ""])
-    old = md.read_text() if md.exists() else _INTRO
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(old.rstrip("\n") + "\n\n" + section)
+    harness.start_section(md, TITLE, INTRO, [
+        f"## {header}", "", markdown_table(rows), "", *[f"- {sentence(r, base)}" for r in rows]])
     atomic_write_bytes(html, render_html(rows, header, html.parent).encode())
     os.chmod(html, 0o644)  # the page holds numbers and a plot, no client data
 
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the attacks run (default inline: no worker start per row)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs",
                    help="parent of the matrix's run directory (default runs/)")
-    p.add_argument("--md", type=Path, default=RESULTS_MD, help=f"results file ({RESULTS_MD})")
+    harness.add_out(p, RESULTS_MD, "--md")
     p.add_argument("--html", type=Path, default=RESULTS_HTML, help=f"page ({RESULTS_HTML})")
     p.add_argument("--verbose", action="store_true", help="Flower debug logging")
     args = p.parse_args(argv)
@@ -177,17 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.out_dir / time.strftime("defences-%Y%m%d-%H%M%S", time.gmtime())
     base = base_config(size, run_dir, args.executor)
     if not args.verbose:
-        from experiments.demo import _quiet
+        from experiments.demo import quiet_logging
 
-        _quiet()
+        quiet_logging()
     t0 = time.time()
     simulate(rows, base, verbose=args.verbose)
     from experiments.defence_report import collect
 
     results = collect(run_dir, rows, size.rounds)
-    write_results(results, _header(args, size, time.time() - t0), args.md, args.html)
+    write_results(results, run_header(args, size, time.time() - t0), args.out, args.html)
     (run_dir / "rows.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"wrote {args.md} and {args.html}; run directory {run_dir}")
+    print(f"wrote {args.out} and {args.html}; run directory {run_dir}")
     return 0 if all(r.get("status") == "completed" for r in results) else 1
 
 

@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments import harness
+
+ROOT = harness.ROOT
 
 #: The demo's configuration (the rest comes from ``DEFAULT_RUN_CONFIG``).
 DEMO_CONFIG: dict[str, Any] = {
@@ -47,14 +49,6 @@ DEMO_CONFIG: dict[str, Any] = {
     "audit-executor": "pool",
     "output-dir": str(ROOT / "runs"),
 }
-
-
-def _parse_value(text: str) -> Any:
-    """``--set k=v`` values: JSON when it parses (numbers, true/false), else a string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def checked_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +129,12 @@ def _print_summary(summary: dict[str, Any], seconds: float) -> None:
     console.print(f"[bold]Report:[/bold] {summary['report']}")
 
 
-def _quiet() -> None:
-    """Only warnings from Flower, Ray and the attack; no per-round progress."""
+def quiet_logging() -> None:
+    """Log only warnings from Flower, Ray and the attack: no per-round progress.
+
+    For scripts that run simulations and print their own summary (``--quiet``, ``--json``,
+    :mod:`experiments.audit_sweep`, :mod:`experiments.defences`).
+    """
     from flwr.supercore.logger import update_console_handler
 
     update_console_handler(level=logging.WARNING)
@@ -153,16 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print the verdict and table only")
     parser.add_argument("--verbose", action="store_true", help="Flower debug logging")
     args = parser.parse_args(argv)
-    config = dict(DEMO_CONFIG)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set expects KEY=VALUE, got {item!r}")
-        config[key.strip()] = _parse_value(value.strip())
+    config = {**DEMO_CONFIG,
+              **harness.parse_assignments(parser, args.set, "--set", metavar="KEY=VALUE")}
     from fl_attack_flwr.run_config import RunConfigError
 
     if args.quiet or args.json:
-        _quiet()
+        quiet_logging()
     t0 = time.time()
     try:
         summary = simulate(config, verbose=args.verbose)
