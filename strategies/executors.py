@@ -20,9 +20,12 @@ The same job and seed give the same reconstruction under every executor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,11 +54,16 @@ def make_executor(settings: AttackSettings) -> Executor:
         from fl_attack_flwr.ray_executor import RayExecutor
 
         return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
-                           num_gpus=settings.ray_num_gpus, timeout=settings.timeout,
+                           num_gpus=settings.ray_num_gpus, resources=settings.ray_resources,
+                           timeout=settings.timeout,
                            max_inflight=settings.workers, niceness=settings.niceness)
     workers = 1 if settings.executor == "process" else settings.workers or usable_cores()
     return PoolExecutor(workers, timeout=settings.timeout, startup_timeout=settings.startup_timeout,
                         name=settings.executor, niceness=settings.niceness)
+
+
+def _run_here(job: AttackJob) -> AttackOutcome:
+    return dataclasses.replace(run_job(job), ran_on="server")
 
 
 class InlineExecutor(Executor):
@@ -67,7 +75,7 @@ class InlineExecutor(Executor):
         self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-attack")
 
     def submit(self, job: AttackJob) -> Future[AttackOutcome]:
-        return self._threads.submit(run_job, job)
+        return self._threads.submit(_run_here, job)
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
@@ -78,6 +86,7 @@ def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
     until told to stop."""
     try:
         prepare_worker(threads, niceness)
+        where = f"pid:{os.getpid()}@{socket.gethostname()}"
         conn.send(("ready", None))
         while True:
             try:
@@ -86,7 +95,7 @@ def _worker_main(conn: Any, threads: int, niceness: int = 0) -> None:
                 return
             if job is None:
                 return
-            outcome = run_job(job, in_worker=True)
+            outcome = dataclasses.replace(run_job(job, in_worker=True), ran_on=where)
             conn.send(("done", outcome))
             if outcome.status == verdicts.OUT_OF_MEMORY:
                 return  # a failed allocation can leave half-imported modules: start afresh

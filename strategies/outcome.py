@@ -40,6 +40,9 @@ class AttackOutcome:
         ``(B, n)`` reconstructed layer inputs (float64), for reconstructions only.
     summary
         ``fl_attack.Reconstruction.as_dict()`` of the reconstruction (JSON-safe), or ``None``.
+    ran_on
+        Where the attack ran: ``"server"`` (inline), ``"pid:<pid>@<host>"`` (a worker
+        process) or ``"ray-node:<node id>"`` (a Ray actor).
     """
 
     status: str
@@ -49,6 +52,7 @@ class AttackOutcome:
     seconds: float | None = None
     inputs: np.ndarray | None = field(default=None, repr=False, compare=False)
     summary: Mapping[str, Any] | None = field(default=None, repr=False)
+    ran_on: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:

@@ -8,6 +8,7 @@ workers soon after their task, and each attack would pay a fresh interpreter and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -46,6 +47,23 @@ def _simulation_ray(wait: float) -> bool:
     return bool(ray.is_initialized())
 
 
+def _check_same_cluster(address: str) -> None:
+    """``ValueError`` unless the Ray this process runs is the cluster at ``address``."""
+    import ray
+
+    if address == "auto":
+        return
+    here = ray.get_runtime_context().gcs_address
+    wanted = address.removeprefix("ray://")
+    if wanted != here:
+        raise ValueError(
+            f"ray_address {address!r} was given, but this process already runs Ray connected to "
+            f"{here!r} (a Flower simulation starts its own Ray instance in the ServerApp's "
+            "process). Ray connects a process to one cluster: leave ray_address empty to run the "
+            "attacks on the simulation's Ray, or run the ServerApp in a deployment (not a "
+            "simulation) to attach it to your cluster.")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -59,7 +77,11 @@ class AttackActor:
         prepare_worker(threads, niceness)
 
     def run(self, job: AttackJob) -> AttackOutcome:
-        return run_job(job, in_worker=True)
+        """Run ``job``; the outcome names the Ray node it ran on."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return dataclasses.replace(run_job(job, in_worker=True), ran_on=f"ray-node:{node}")
 
 
 @dataclass
@@ -87,10 +109,12 @@ class RayExecutor(Executor):
     name = "ray"
 
     def __init__(self, address: str | None = None, *, num_cpus: float | None = None,
-                 num_gpus: float | None = None, timeout: float | None = None,
-                 max_inflight: int | None = None, niceness: int = 0) -> None:
+                 num_gpus: float | None = None, resources: dict[str, float] | None = None,
+                 timeout: float | None = None, max_inflight: int | None = None,
+                 niceness: int = 0) -> None:
         self.address, self.num_cpus, self.num_gpus, self.timeout = (address, num_cpus,
                                                                     num_gpus, timeout)
+        self.resources = dict(resources or {})
         self.max_inflight, self.niceness, self._threads = max_inflight, niceness, 1
         self._queue: list[tuple[AttackJob, Future[AttackOutcome]]] = []
         self._slots: list[_Slot] = []
@@ -117,16 +141,27 @@ class RayExecutor(Executor):
             self._thread.start()
 
     def _connect(self) -> bool:
-        """Join or start Ray; whether it is a simulation's instance in this process."""
+        """Join or start Ray; whether it is a simulation's instance in this process.
+
+        A given ``address`` is the cluster the attacks run on, or a ``ValueError`` naming it:
+        Ray connects a process to one cluster, so when this process already runs another one
+        (a Flower simulation's) the address cannot be honoured.
+        """
         import ray
 
         shared = self.address is None and _simulation_ray(SHARED_RAY_WAIT)
+        if self.address and ray.is_initialized():
+            _check_same_cluster(self.address)
         if not ray.is_initialized():
             os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "logging_level": "ERROR", "ignore_reinit_error": True}
             if self.address:
-                ray.init(address=self.address, **kwargs)
+                try:
+                    ray.init(address=self.address, **kwargs)
+                except (ConnectionError, RuntimeError, ValueError) as exc:
+                    raise ValueError(f"ray_address {self.address!r}: cannot connect to that "
+                                     f"Ray cluster ({exc})") from exc
             else:
                 ray.init(num_cpus=usable_cores(), **kwargs)
                 self._started_ray = True
@@ -141,14 +176,18 @@ class RayExecutor(Executor):
         if self.num_gpus is None:
             self.num_gpus = 1.0 if _cuda_available() else 0.0
         if self.max_inflight is None:
-            cpus = float(ray.cluster_resources().get("CPU", usable_cores()))
-            self.max_inflight = (usable_cores() if self.num_cpus == 0
-                                 else max(1, int(cpus // self.num_cpus)))
+            total = ray.cluster_resources()
+            fits = [int(float(total.get(name, 0.0)) // need)
+                    for name, need in self.resources.items() if need > 0]
+            if self.num_cpus != 0:
+                fits.append(int(float(total.get("CPU", usable_cores())) // self.num_cpus))
+            self.max_inflight = max(1, min(fits)) if fits else usable_cores()
         self._threads = (cores_share(self.max_inflight) if self.num_cpus == 0
                          else max(1, int(self.num_cpus)))
 
     def _new_actor(self) -> Any:
-        return self._actor_class.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus).remote(
+        return self._actor_class.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                                         resources=self.resources or None).remote(
             self._threads, self.niceness)
 
     # ------------------------------------------------------------------ jobs

@@ -110,6 +110,7 @@ class ClientAudit:
     exact: bool | None = None
     n_directions: int | None = None
     attack_seconds: float | None = None
+    ran_on: str | None = None
     psnr: list[float] | None = None
     psnr_mean: float | None = None
     epsilon: float | None = None
@@ -144,7 +145,8 @@ class ClientAudit:
             "server_round", "partition_id", "node_id", "status", "reason", "error", "protocol",
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
-            "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std", "attack",
+            "ran_on", "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std",
+            "attack",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
@@ -174,7 +176,8 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         batch_size=from_summary("batch_size", int), true_batch_size=pics.true_batch_size,
         sparsity_match=from_summary("sparsity_match", float),
         exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
-        attack_seconds=outcome.seconds, psnr=pics.psnr, psnr_mean=pics.psnr_mean,
+        attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
+        psnr_mean=pics.psnr_mean,
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
         delta=facts.delta, noise_std=facts.noise_std, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,

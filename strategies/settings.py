@@ -112,6 +112,10 @@ class AttackSettings:
     ray_num_gpus : float, optional
         GPUs one attack task asks of Ray. ``None``: 1 where CUDA is available (the attack then
         runs on that GPU), else 0.
+    ray_resources : dict of str to float
+        Custom Ray resources one attack asks for, e.g. ``{"fl-attack": 1}``: attacks then run
+        only on the nodes started with that resource (``ray start --resources``), and at most
+        as many at once as the cluster holds of it.
     startup_timeout : float
         Seconds a worker process may take to start (importing torch).
     niceness : int
@@ -156,6 +160,7 @@ class AttackSettings:
     ray_address: str | None = None
     ray_num_cpus: float | None = None
     ray_num_gpus: float | None = None
+    ray_resources: dict[str, float] = field(default_factory=dict)
     startup_timeout: float = 300.0
     niceness: int = 19
     mode: str = "blocking"
@@ -195,6 +200,10 @@ class AttackSettings:
             value = getattr(self, name)
             if value is not None and not (_number(value) and value >= 0):
                 raise ValueError(f"{name} must be a number >= 0 or None, got {value!r}")
+        if not all(isinstance(k, str) and _number(v) and v > 0
+                   for k, v in self.ray_resources.items()):
+            raise ValueError("ray_resources must map resource names to positive amounts, got "
+                             f"{self.ray_resources!r}")
         if self.bias_key is not None and self.weight_key is None:
             raise ValueError("bias_key given without weight_key")
         RoundFilter(self.rounds)

@@ -39,7 +39,8 @@ from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
 from fl_attack_flwr.store import records_from_jsonl
-from tests.test_flower_strategy import _Grid, task_identity  # noqa: F401 - a fixture
+from tests.flower_fakes import FakeGrid
+from tests.test_flower_strategy import task_identity  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100
@@ -141,7 +142,7 @@ def test_secaggplus_strategy_attacks_the_unmasked_aggregate(world: dict, tmp_pat
         store=AuditStore(tmp_path, "secaggplus"), ground_truth=GroundTruth(DATASET, SIZE),
         attack=AttackSettings(executor="inline", max_seconds=60.0, target="aggregate"),
         dataset=DATASET, protocol="fedsgd")
-    strategy = AuditedSecAggPlusFedAvg(audit, _Grid([11, 12, 13]), cfg)
+    strategy = AuditedSecAggPlusFedAvg(audit, FakeGrid([11, 12, 13]), cfg)
     proxies = [SimpleNamespace(node_id=n) for n in (11, 12, 13)]
     params = ndarrays_to_parameters([world["state"][k].numpy() for k in names])
     assert len(strategy.configure_fit(1, params, _Clients(proxies))) == 3
@@ -201,11 +202,11 @@ def test_named_action_readdresses_train_messages_only(world: dict) -> None:
     inner = FedAvg(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
     named = NamedAction(inner, "local_dp_1")
     arrays = ArrayRecord(world["state"])
-    msgs = list(named.configure_train(1, arrays, ConfigRecord(), _Grid([11, 12])))
+    msgs = list(named.configure_train(1, arrays, ConfigRecord(), FakeGrid([11, 12])))
     assert {m.metadata.message_type for m in msgs} == {"train.local_dp_1"}
     assert sorted(m.metadata.dst_node_id for m in msgs) == [11, 12]
     assert all(m.content.array_records["arrays"] is arrays for m in msgs)
-    evals = list(named.configure_evaluate(1, arrays, ConfigRecord(), _Grid([11, 12])))
+    evals = list(named.configure_evaluate(1, arrays, ConfigRecord(), FakeGrid([11, 12])))
     assert {m.metadata.message_type for m in evals} == {"evaluate"}
     with pytest.raises(ValueError, match="identifier"):
         NamedAction(inner, "local-dp")

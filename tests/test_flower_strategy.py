@@ -10,7 +10,6 @@ background mode and reply sampling.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,9 +20,6 @@ from flwr.app import (
     ConfigRecord,
     Error,
     Message,
-    Metadata,
-    MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp.strategy import FedAvg
 
@@ -31,18 +27,20 @@ from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth, verdicts
-
-DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100
-
-
-class _Grid:
-    """The part of ``flwr.serverapp.Grid`` that FedAvg's configure_* use."""
-
-    def __init__(self, node_ids: list[int]) -> None:
-        self.node_ids = node_ids
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.node_ids)
+from tests.flower_fakes import (
+    DATASET,
+    SIZE,
+    WIDTH,
+    B,
+    FakeGrid,
+    arrays_equal,
+    configure,
+    content,
+    fedavg,
+    fedsgd_world,
+    good_replies,
+    reply,
+)
 
 
 @pytest.fixture
@@ -59,61 +57,7 @@ def task_identity() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def world() -> dict[str, object]:
     """A global model and three clients' real FedSGD updates on disjoint MNIST batches."""
-    images, labels = load_images(DATASET, SIZE, seed=0)
-    model = relu_mlp(784, WIDTH, 3, 10, seed=0)
-    global_state = {k: v.clone() for k, v in model.state_dict().items()}
-    updates = {}
-    for node in (11, 12, 13):
-        idx = np.arange((node - 11) * B, (node - 10) * B)
-        res = local_update(model, normalize(images[idx], DATASET), labels[idx],
-                           protocol="fedsgd", lr=0.01)
-        updates[node] = (res.state_dict, idx)
-    return {"global": global_state, "updates": updates, "images": images}
-
-
-def _reply(node: int, content: RecordDict | None = None, error: Error | None = None) -> Message:
-    md = Metadata(run_id=1, message_id=f"reply-{node}", src_node_id=node, dst_node_id=0,
-                  reply_to_message_id=f"ins-{node}", group_id="1", created_at=time.time(),
-                  ttl=3600.0, message_type="train")
-    if error is not None:
-        return Message(error=error, metadata=md)
-    return Message(content=content, metadata=md)
-
-
-def _content(state: dict[str, torch.Tensor], pid: int, *, num: int | None = B,
-             indices: np.ndarray | None = None) -> RecordDict:
-    metrics = {"train-loss": 2.0 + pid} if num is None else {"num-examples": num,
-                                                             "train-loss": 2.0 + pid}
-    info: dict[str, object] = {"partition-id": pid}
-    if indices is not None:
-        info["sample-indices"] = [int(i) for i in indices]
-    return RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics),
-                       "client-info": ConfigRecord(info)})
-
-
-def _good_replies(world: dict, nodes: tuple[int, ...], *, gt: bool = False) -> list[Message]:
-    out = []
-    for node in nodes:
-        state, idx = world["updates"][node]
-        out.append(_reply(node, _content(state, node - 11, indices=idx if gt else None)))
-    return out
-
-
-def _arrays_equal(a: ArrayRecord, b: ArrayRecord) -> bool:
-    return a.keys() == b.keys() and all(
-        np.array_equal(a[k].numpy(), b[k].numpy()) for k in a.keys())
-
-
-def _fedavg() -> FedAvg:
-    """FedAvg that samples every node of the stub grid (its default waits for >= 2 nodes)."""
-    return FedAvg(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
-
-
-def _configure(strategy: AuditingStrategy, world: dict, nodes: list[int]) -> ArrayRecord:
-    arrays = ArrayRecord(world["global"])
-    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), _Grid(nodes)))
-    assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(nodes)
-    return arrays
+    return fedsgd_world()
 
 
 INLINE = {"executor": "inline", "max_seconds": 60.0}
@@ -122,14 +66,14 @@ INLINE = {"executor": "inline", "max_seconds": 60.0}
 def test_audited_aggregate_equals_plain_fedavg(world: dict, task_identity: None,
                                                tmp_path) -> None:
     plain = FedAvg()
-    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "eq"),
+    audited = AuditingStrategy(fedavg(), store=AuditStore(tmp_path, "eq"),
                                attack=AttackSettings(**INLINE), dataset=DATASET,
                                protocol="fedsgd")
-    _configure(audited, world, [11, 12])
-    ref_arrays, ref_metrics = plain.aggregate_train(1, _good_replies(world, (11, 12)))
-    arrays, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12)))
+    configure(audited, world, [11, 12])
+    ref_arrays, ref_metrics = plain.aggregate_train(1, good_replies(world, (11, 12)))
+    arrays, metrics = audited.aggregate_train(1, good_replies(world, (11, 12)))
     audited.close()
-    assert _arrays_equal(arrays, ref_arrays)
+    assert arrays_equal(arrays, ref_arrays)
     for key, value in ref_metrics.items():
         assert metrics[key] == pytest.approx(value)
     assert metrics["audit-replies"] == 2 and metrics["audit-attack-seconds"] > 0
@@ -145,25 +89,25 @@ def test_audited_aggregate_equals_plain_fedavg(world: dict, task_identity: None,
 def test_corrupt_and_failed_replies_do_not_stop_the_round(world: dict, task_identity: None,
                                                           tmp_path) -> None:
     nodes = [11, 21, 22, 23, 24, 25, 26]
-    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "faults"),
+    audited = AuditingStrategy(fedavg(), store=AuditStore(tmp_path, "faults"),
                                attack=AttackSettings(**INLINE), dataset=DATASET)
-    global_arrays = _configure(audited, world, nodes)
+    global_arrays = configure(audited, world, nodes)
     good_state, _ = world["updates"][11]
     nan_state = {k: v.clone() for k, v in good_state.items()}
     nan_state["1.weight"][0, 0] = float("nan")
     shape_state = dict(good_state)
     shape_state["1.weight"] = torch.zeros(3, 3)
     missing_state = {k: v for k, v in good_state.items() if k != "3.bias"}
-    two_arrays = _content(good_state, 6)
+    two_arrays = content(good_state, 6)
     two_arrays["more-arrays"] = ArrayRecord(good_state)
     replies = [
-        *_good_replies(world, (11,)),
-        _reply(21, _content(nan_state, 1)),
-        _reply(22, _content(shape_state, 2)),
-        _reply(23, _content(missing_state, 3)),
-        _reply(24, _content(good_state, 4, num=None)),  # no num-examples
-        _reply(25, error=Error(code=0, reason="client crashed: injected")),
-        _reply(26, two_arrays),
+        *good_replies(world, (11,)),
+        reply(21, content(nan_state, 1)),
+        reply(22, content(shape_state, 2)),
+        reply(23, content(missing_state, 3)),
+        reply(24, content(good_state, 4, num=None)),  # no num-examples
+        reply(25, error=Error(code=0, reason="client crashed: injected")),
+        reply(26, two_arrays),
     ]
     arrays, metrics = audited.aggregate_train(1, replies)
     audited.close()
@@ -176,9 +120,9 @@ def test_corrupt_and_failed_replies_do_not_stop_the_round(world: dict, task_iden
     assert by_node[25].status == "client-error" and "injected" in by_node[25].error
     assert by_node[26].status == "corrupt" and "ArrayRecord" in by_node[26].error
     # only the good reply was aggregated: the new global model is exactly that client's
-    ref, _ = FedAvg().aggregate_train(1, _good_replies(world, (11,)))
-    assert _arrays_equal(arrays, ref)
-    assert not _arrays_equal(arrays, global_arrays)
+    ref, _ = FedAvg().aggregate_train(1, good_replies(world, (11,)))
+    assert arrays_equal(arrays, ref)
+    assert not arrays_equal(arrays, global_arrays)
     assert metrics["audit-corrupt"] == 5 and metrics["audit-client-errors"] == 1
     assert metrics["audit-reconstructions"] == 1
     lines = (audited.store.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -193,18 +137,18 @@ def test_attack_exception_is_recorded_and_aggregation_goes_on(
         raise RuntimeError("boom in the attack")
 
     monkeypatch.setattr(fl_attack, "invert", broken)
-    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "fail"),
+    audited = AuditingStrategy(fedavg(), store=AuditStore(tmp_path, "fail"),
                                attack=AttackSettings(**INLINE))
-    _configure(audited, world, [11, 12])
-    zero = _reply(12, _content(world["global"], 1))  # the global model sent back unchanged
-    arrays, metrics = audited.aggregate_train(1, [*_good_replies(world, (11,)), zero])
+    configure(audited, world, [11, 12])
+    zero = reply(12, content(world["global"], 1))  # the global model sent back unchanged
+    arrays, metrics = audited.aggregate_train(1, [*good_replies(world, (11,)), zero])
     audited.close()
     rec11, rec12 = sorted(audited.records, key=lambda r: r.node_id)
     assert rec11.status == "attack-error" and "boom in the attack" in rec11.error
     assert rec12.status == "no-update" and "identically zero" in rec12.reason
-    ref, _ = FedAvg().aggregate_train(1, [*_good_replies(world, (11,)),
-                                          _reply(12, _content(world["global"], 1))])
-    assert _arrays_equal(arrays, ref)  # both were still aggregated
+    ref, _ = FedAvg().aggregate_train(1, [*good_replies(world, (11,)),
+                                          reply(12, content(world["global"], 1))])
+    assert arrays_equal(arrays, ref)  # both were still aggregated
     assert metrics["audit-failures"] == 1 and metrics["audit-reconstructions"] == 0
     line = (audited.store.run_dir / "round-1/client-0/metrics.json").read_text()
     assert "boom in the attack" in line
@@ -228,9 +172,9 @@ def test_a_batch_larger_than_the_layer_is_reported_protected(task_identity: None
     g_state = {k: v.clone() for k, v in model.state_dict().items()}
     res = local_update(model, normalize(images[:40], DATASET), labels[:40], protocol="fedsgd",
                        lr=0.01)
-    audited = AuditingStrategy(_fedavg(), attack=AttackSettings(**INLINE), dataset=DATASET)
-    list(audited.configure_train(1, ArrayRecord(g_state), ConfigRecord(), _Grid([11])))
-    _, metrics = audited.aggregate_train(1, [_reply(11, _content(res.state_dict, 0))])
+    audited = AuditingStrategy(fedavg(), attack=AttackSettings(**INLINE), dataset=DATASET)
+    list(audited.configure_train(1, ArrayRecord(g_state), ConfigRecord(), FakeGrid([11])))
+    _, metrics = audited.aggregate_train(1, [reply(11, content(res.state_dict, 0))])
     audited.close()
     (rec,) = audited.records
     assert rec.status == "protected" and rec.error is None
@@ -252,8 +196,8 @@ def test_audit_mode_scores_and_strips_ground_truth(world: dict, task_identity: N
                                store=AuditStore(tmp_path, "gt"),
                                ground_truth=GroundTruth(DATASET, SIZE, seed=0), dataset=DATASET,
                                attack=AttackSettings(**INLINE), protocol="fedsgd")
-    _configure(audited, world, [13])
-    _, metrics = audited.aggregate_train(1, _good_replies(world, (13,), gt=True))
+    configure(audited, world, [13])
+    _, metrics = audited.aggregate_train(1, good_replies(world, (13,), gt=True))
     audited.close()
     (rec,) = audited.records
     assert rec.reconstructed and rec.psnr_mean is not None
@@ -269,22 +213,22 @@ def test_audit_mode_scores_and_strips_ground_truth(world: dict, task_identity: N
 
 
 def test_disabled_audit_is_a_pure_pass_through(world: dict, task_identity: None) -> None:
-    audited = AuditingStrategy(_fedavg(), enabled=False)
-    _configure(audited, world, [11, 12])
-    arrays, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12)))
-    ref_arrays, ref_metrics = FedAvg().aggregate_train(1, _good_replies(world, (11, 12)))
-    assert _arrays_equal(arrays, ref_arrays) and dict(metrics) == dict(ref_metrics)
+    audited = AuditingStrategy(fedavg(), enabled=False)
+    configure(audited, world, [11, 12])
+    arrays, metrics = audited.aggregate_train(1, good_replies(world, (11, 12)))
+    ref_arrays, ref_metrics = FedAvg().aggregate_train(1, good_replies(world, (11, 12)))
+    assert arrays_equal(arrays, ref_arrays) and dict(metrics) == dict(ref_metrics)
     assert audited.records == []
 
 
 def test_background_mode_returns_the_aggregate_and_stores_every_result(
         world: dict, task_identity: None, tmp_path) -> None:
-    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "bg"), dataset=DATASET,
+    audited = AuditingStrategy(fedavg(), store=AuditStore(tmp_path, "bg"), dataset=DATASET,
                                attack=AttackSettings(**INLINE, mode="background"))
-    _configure(audited, world, [11, 12, 13])
-    arrays, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12, 13)))
-    ref, _ = FedAvg().aggregate_train(1, _good_replies(world, (11, 12, 13)))
-    assert _arrays_equal(arrays, ref)  # the aggregate never depends on the audit
+    configure(audited, world, [11, 12, 13])
+    arrays, metrics = audited.aggregate_train(1, good_replies(world, (11, 12, 13)))
+    ref, _ = FedAvg().aggregate_train(1, good_replies(world, (11, 12, 13)))
+    assert arrays_equal(arrays, ref)  # the aggregate never depends on the audit
     assert metrics["audit-submitted"] == 3 and "audit-certified" not in metrics
     audited.close()  # drains
     assert len(audited.records) == 3 and all(r.reconstructed for r in audited.records)
@@ -297,9 +241,9 @@ def test_background_mode_returns_the_aggregate_and_stores_every_result(
 def test_drain_timeout_marks_unfinished_attacks(world: dict, task_identity: None) -> None:
     settings = AttackSettings(executor="process", mode="background", drain_timeout=0.0,
                               max_seconds=60.0)
-    audited = AuditingStrategy(_fedavg(), attack=settings, dataset=DATASET)
-    _configure(audited, world, [11])
-    audited.aggregate_train(1, _good_replies(world, (11,)))
+    audited = AuditingStrategy(fedavg(), attack=settings, dataset=DATASET)
+    configure(audited, world, [11])
+    audited.aggregate_train(1, good_replies(world, (11,)))
     audited.close()  # no time to drain: the worker is still importing torch
     (rec,) = audited.records
     assert rec.status == "unfinished" and "drain timeout" in rec.error
@@ -311,8 +255,8 @@ def test_sampling_is_seeded_and_skipped_replies_say_why(world: dict, task_identi
     def picked(seed: int) -> list[int]:
         settings = AttackSettings(**INLINE, fraction=0.5, sample_seed=seed, rounds="1,3")
         rng = random.Random(seed)
-        chosen = sample_replies(settings, rng, 1, _good_replies(world, (11, 12, 13)))
-        assert sample_replies(settings, rng, 2, _good_replies(world, (11,))) == {
+        chosen = sample_replies(settings, rng, 1, good_replies(world, (11, 12, 13)))
+        assert sample_replies(settings, rng, 2, good_replies(world, (11,))) == {
             0: "round 2 is not audited (rounds = '1,3')"}
         return [i for i, why in chosen.items() if why is None]
 
@@ -370,15 +314,15 @@ def test_secure_aggregation_target_attacks_the_rounds_aggregate(world: dict, tas
                                                                 tmp_path) -> None:
     """What a SecAgg server sees, the aggregate of 3 clients' updates, is a batch of their 24
     samples; the ground truth is the union of the clients' samples."""
-    audited = AuditingStrategy(_fedavg(), store=AuditStore(tmp_path, "secagg"),
+    audited = AuditingStrategy(fedavg(), store=AuditStore(tmp_path, "secagg"),
                                ground_truth=GroundTruth(DATASET, SIZE, seed=0), dataset=DATASET,
                                attack=AttackSettings(**INLINE, target="aggregate"),
                                protocol="fedsgd")
-    _configure(audited, world, [11, 12, 13])
-    arrays, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12, 13), gt=True))
+    configure(audited, world, [11, 12, 13])
+    arrays, metrics = audited.aggregate_train(1, good_replies(world, (11, 12, 13), gt=True))
     audited.close()
-    ref, _ = FedAvg().aggregate_train(1, _good_replies(world, (11, 12, 13)))
-    assert _arrays_equal(arrays, ref)
+    ref, _ = FedAvg().aggregate_train(1, good_replies(world, (11, 12, 13)))
+    assert arrays_equal(arrays, ref)
     clients = [r for r in audited.records if r.node_id != 0]
     assert [r.status for r in clients] == ["skipped"] * 3
     assert all("secure aggregation" in r.reason for r in clients)
@@ -394,9 +338,9 @@ def test_secure_aggregation_target_attacks_the_rounds_aggregate(world: dict, tas
 def test_a_full_background_queue_skips_replies_and_says_why(world: dict,
                                                            task_identity: None) -> None:
     settings = AttackSettings(**INLINE, mode="background", max_queue=1)
-    audited = AuditingStrategy(_fedavg(), attack=settings, dataset=DATASET)
-    _configure(audited, world, [11, 12, 13])
-    _, metrics = audited.aggregate_train(1, _good_replies(world, (11, 12, 13)))
+    audited = AuditingStrategy(fedavg(), attack=settings, dataset=DATASET)
+    configure(audited, world, [11, 12, 13])
+    _, metrics = audited.aggregate_train(1, good_replies(world, (11, 12, 13)))
     audited.close()
     statuses = sorted(r.status for r in audited.records)
     assert metrics["audit-submitted"] == 1 and statuses.count("skipped") == 2
