@@ -15,7 +15,9 @@ SuperLink, no ports, nothing left running afterwards, and it works offline.
     .venv/bin/python -m experiments.demo --quiet              # the verdict and table only
 
 The configuration is checked before anything runs: a bad setting exits with status 2 and a
-message naming it. Exit status 0 when the run completed and wrote its summary, 1 otherwise.
+message naming it. Exit status 0 when the run completed and wrote its summary, 1 otherwise,
+and 3 when the privacy gate ``--set fail-on=certified`` (or ``readable``, ``reconstructed``)
+trips: the run completed, and the clients leaked what the gate forbids.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
     from flwr.simulation import run_simulation
 
     from fl_attack_flwr.clients.client_app import app as client_app
+    from fl_attack_flwr.gate import PrivacyGateError
     from fl_attack_flwr.run_config import CONFIG_ENV
     from fl_attack_flwr.server_app import app as server_app
     from fl_attack_flwr.store import new_run_name
@@ -96,6 +99,8 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
                        backend_config=backend, verbose_logging=verbose)
+    except PrivacyGateError:
+        pass  # the run completed and wrote its summary; the caller applies the gate to it
     finally:
         os.environ.pop(CONFIG_ENV, None)
     summary_path = run_dir / "summary.json"
@@ -170,7 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
     else:
         _print_summary(summary, time.time() - t0)
-    return 0 if summary.get("status") == "completed" else 1
+    if summary.get("status") != "completed":
+        return 1
+    from fl_attack_flwr.gate import gate_failure
+
+    failure = gate_failure(summary, str(config.get("fail-on", "")))
+    if failure is not None:
+        print(f"demo: {failure}", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "no_update": count[verdicts.NO_UPDATE],
         "statuses": {s: n for s, n in count.items() if n},
         "readable": sum(1 for p in psnrs if p > READABLE_DB),
+        "certified_or_readable": sum(1 for r in rec if r.status == verdicts.CERTIFIED or (
+            r.psnr_mean is not None and r.psnr_mean > READABLE_DB)),
         "exact_by_psnr": sum(1 for p in psnrs if p > EXACT_DB),
         "scored": len(psnrs),
         "psnr_mean": float(np.mean(psnrs)) if psnrs else None,
@@ -243,8 +245,7 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>fl-attack audit {title}</title><style>{STYLE}</style></head><body>",
         f"<h1>Privacy audit: {title}</h1>",
-        "<p class='warn'>This report contains reconstructions of clients' private training "
-        "data. Keep it private (it is written with owner-only permissions).</p>",
+        _privacy_banner(str(summary.get("reconstructions_kept") or "all")),
         f"<div class='verdict {summary.get('verdict_level')}' id='verdict'>"
         f"{_esc(summary.get('verdict'))}<div class='facts'>{_esc(_facts(summary))}</div></div>",
         "".join(f"<p class='warn'>{_esc(n)}</p>" for n in summary.get("notes") or []),
@@ -252,13 +253,22 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         _explanations(records),
         _rounds_section(rounds, records),
         _clients_section(records),
-        _reconstructions_section(records),
+        _reconstructions_section(records, str(summary.get("reconstructions_kept") or "all")),
         "<h2>Configuration</h2>",
         html_table(["setting", "value"], [[_esc(k), fmt(v)] for k, v in sorted(config.items())],
                left=(0, 1)) if config else "<p>No run configuration was given.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _privacy_banner(kept: str) -> str:
+    if kept.startswith("none"):
+        return ("<p class='warn'>Metrics-only run: this report holds no reconstruction of the "
+                "clients' data, only what the audit found about it. It is still written with "
+                "owner-only permissions.</p>")
+    return ("<p class='warn'>This report contains reconstructions of clients' private training "
+            "data. Keep it private (it is written with owner-only permissions).</p>")
 
 
 def _facts(s: Mapping[str, Any]) -> str:
@@ -332,13 +342,16 @@ def _clients_section(records: Sequence[ClientAudit]) -> str:
     return "<h2>Clients</h2>" + html_table(header, rows, left=(1, 2, 3, 4))
 
 
-def _reconstructions_section(records: Sequence[ClientAudit]) -> str:
+def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") -> str:
     shown = [r for r in sorted(records, key=lambda r: (r.server_round, r.client_label))
              if r.recon_images is not None or (r.inputs is not None and r.reconstructed)]
+    policy = ("" if kept == "all" else
+              f"<p>Reconstructions kept by this run: {_esc(kept)}. The clients' verdicts and "
+              "scores above cover every audited update.</p>")
     if not shown:
-        return ("<h2>Reconstructions</h2><p>No update was reconstructed, so there is nothing "
-                "to show.</p>")
-    out = ["<h2>Reconstructions</h2>"]
+        return ("<h2>Reconstructions</h2>" + (policy or "<p>No update was reconstructed, so "
+                                               "there is nothing to show.</p>"))
+    out = ["<h2>Reconstructions</h2>", policy]
     if any(r.original_images is not None for r in shown):
         out.append("<p>Left: what the server reconstructed from the client's update alone. "
                    "Right: the client's true batch (audit ground truth), in the same order.</p>")

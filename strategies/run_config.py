@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fl_attack_flwr.gate import FAIL_ON
 from fl_attack_flwr.protocol import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
 from fl_attack_flwr.settings import EXECUTORS, MODES, TARGETS, AttackSettings, RoundFilter
 
@@ -28,6 +29,7 @@ __all__ = [
     "attack_settings",
     "check_run_config",
     "parse_attack_options",
+    "parse_resources",
     "resolve_run_config",
     "shard_sizes",
 ]
@@ -61,14 +63,18 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "audit-max-per-round": 0,
     "audit-memory-gb": 0.0,
     "audit-ray-address": "",
+    "audit-ray-resources": "",
     "node-wait": 120.0,
     "output-dir": "runs",
     "run-name": "",
+    "store-reconstructions": True,
+    "retain-rounds": 0,
+    "fail-on": "",
     "audit-enabled": True,
 }
 
-_DATASET_SIZES = {"photos32": 2000, "photos64": 2000, "mnist": 5000, "cifar10": 50000,
-                  "mnist-torchvision": 60000}
+_DATASET_SIZES = {"photos32": 2000, "photos64": 2000, "greys32": 2000, "hopper32": 2000,
+                  "mnist": 5000, "cifar10": 50000, "mnist-torchvision": 60000}
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -147,8 +153,26 @@ def attack_settings(cfg: Mapping[str, Any]) -> AttackSettings:
         max_per_round=int(cfg["audit-max-per-round"]) or None,
         memory_limit_gb=num["audit-memory-gb"] or None,
         ray_address=str(cfg["audit-ray-address"]) or None,
+        ray_resources=parse_resources(str(cfg["audit-ray-resources"])),
         sample_seed=int(cfg["attack-seed"]),
     )
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``"fl-attack=1 gpu-node=0.5"`` -> ``{"fl-attack": 1.0, "gpu-node": 0.5}`` (Ray custom
+    resources one attack asks for); ``ValueError`` naming a bad item."""
+    out: dict[str, float] = {}
+    for item in re.split(r"[\s,]+", text.strip()):
+        if not item:
+            continue
+        name, sep, amount = item.partition("=")
+        try:
+            out[name] = float(amount)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise ValueError(f"audit-ray-resources item {item!r} is not name=amount")
+    return out
 
 
 def shard_sizes(cfg: Mapping[str, Any]) -> list[int]:
@@ -243,11 +267,14 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("audit-workers", cfg["audit-workers"] >= 0, ">= 0 (0 = the usable cores)"),
         ("audit-niceness", 0 <= cfg["audit-niceness"] <= 19, "in 0..19 (Unix niceness)"),
         ("node-wait", cfg["node-wait"] > 0, "> 0 seconds"),
+        ("retain-rounds", cfg["retain-rounds"] >= 0, ">= 0 (0 = keep every round)"),
+        ("fail-on", cfg["fail-on"] in FAIL_ON, f"one of {[f for f in FAIL_ON if f]} or empty"),
         ("run-name", cfg["run-name"] == "" or bool(_RUN_NAME.match(cfg["run-name"])),
          "letters, digits, '.', '_', '-' (or empty for a fresh name)"),
     ]
     problems = [f"{key} must be {want}, got {cfg[key]!r}" for key, ok, want in rules if not ok]
-    for key, check in (("inject-faults", parse_faults), ("audit-rounds", RoundFilter)):
+    for key, check in (("inject-faults", parse_faults), ("audit-rounds", RoundFilter),
+                       ("audit-ray-resources", parse_resources)):
         try:
             check(str(cfg[key]))
         except ValueError as exc:

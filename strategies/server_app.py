@@ -27,6 +27,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from fl_attack_flwr.audit import AuditingStrategy
+from fl_attack_flwr.gate import PrivacyGateError, gate_failure
 from fl_attack_flwr.protocol import CLIENT_DEFAULTS
 from fl_attack_flwr.run_config import (
     CONFIG_ENV,
@@ -78,12 +79,16 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Run the audited federation on ``grid`` (``cfg`` already checked); return its summary.
 
     The summary and report are written even when the run fails half-way (then the exception is
-    re-raised), so whatever was reconstructed is never lost.
+    re-raised), so whatever was reconstructed is never lost. With ``fail-on`` set, a run whose
+    clients leaked what it names raises :class:`~fl_attack_flwr.gate.PrivacyGateError` after
+    the report is written (``flwr run`` then records the run as failed).
     """
     n = int(cfg["num-clients"])
     wait_for_nodes(grid, n, float(cfg["node-wait"]))
     store = AuditStore(Path(str(cfg["output-dir"])).expanduser(),
-                       str(cfg["run-name"]) or None, config=cfg)
+                       str(cfg["run-name"]) or None, config=cfg,
+                       reconstructions=bool(cfg["store-reconstructions"]),
+                       retain_rounds=int(cfg["retain-rounds"]) or None)
     log(INFO, "[audit] writing to %s", store.run_dir)
     fedavg = FedAvg(fraction_train=float(cfg["fraction-train"]),
                     fraction_evaluate=float(cfg["fraction-evaluate"]),
@@ -112,6 +117,10 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
                              for k, v in result.evaluate_metrics_clientapp.items()}})
     log(INFO, "[audit] %s", summary["verdict"])
     log(INFO, "[audit] report: %s", summary["report"])
+    failure = gate_failure(summary, str(cfg["fail-on"]))
+    if failure is not None:
+        log(ERROR, "[audit] %s", failure)
+        raise PrivacyGateError(failure)
     return summary
 
 

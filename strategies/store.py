@@ -24,6 +24,7 @@ Nothing in this module imports Flower: the strategy hands it plain
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -66,6 +67,12 @@ __all__ = [
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def _without_arrays(record: ClientAudit) -> ClientAudit:
+    """``record`` without its reconstruction, pictures and raw inputs."""
+    return dataclasses.replace(record, inputs=None, recon_images=None, original_images=None,
+                               matching=None)
+
+
 def new_run_name() -> str:
     """A unique, sortable run name: UTC timestamp plus a random short id."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
@@ -83,10 +90,25 @@ class AuditStore:
         ``FileExistsError`` otherwise (a second run never overwrites the first).
     config : mapping, optional
         The run configuration, written to ``config.json`` and shown in the report.
+    reconstructions : bool
+        ``False``: metrics only. Verdicts, λ, statuses and scores are written, but no
+        reconstruction, original or raw input (no PNG, no ``inputs.npz``, no pictures in the
+        report): for deployments and CI pipelines that must not hold the clients' data.
+    retain_rounds : int, optional
+        Keep the reconstruction files of the last ``retain_rounds`` audited rounds only: when a
+        later round is stored, the pictures and raw inputs of older rounds are deleted (their
+        metrics stay), and the report shows only the rounds kept. ``None``: keep every round.
+        Deleting unlinks the files; it does not scrub the disk blocks they occupied.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str] = "runs", run_name: str | None = None,
-                 *, config: Mapping[str, Any] | None = None) -> None:
+                 *, config: Mapping[str, Any] | None = None, reconstructions: bool = True,
+                 retain_rounds: int | None = None) -> None:
+        if retain_rounds is not None and not (isinstance(retain_rounds, int)
+                                              and retain_rounds >= 1):
+            raise ValueError(f"retain_rounds must be a positive int or None, got "
+                             f"{retain_rounds!r}")
+        self.reconstructions, self.retain_rounds = bool(reconstructions), retain_rounds
         name = run_name or new_run_name()
         if not _RUN_NAME_RE.match(name) or name in (".", ".."):
             raise ValueError(f"invalid run name {name!r} (letters, digits, '.', '_', '-')")
@@ -98,6 +120,8 @@ class AuditStore:
         self.run_dir = make_private_dir(self.root / name, exist_ok=False)
         self.config: dict[str, Any] = dict(config or {})
         self.records: list[ClientAudit] = []
+        self._files: list[list[Path]] = []
+        """The reconstruction files written for each record (same order as ``records``)."""
         self.rounds: dict[int, dict[str, Any]] = {}
         self.notes: list[str] = []
         """Plain-words warnings for the report (e.g. from the strategy about its setup)."""
@@ -127,15 +151,31 @@ class AuditStore:
         """Store one client's result: its directory, and a line appended to ``metrics.jsonl``.
 
         The line's ``dir`` is the directory actually written (``client-3-2`` when ``client-3``
-        was taken), ``stored_at`` the seconds since the run started.
+        was taken), ``stored_at`` the seconds since the run started, ``files`` the
+        reconstruction files written there (none in metrics-only mode).
         """
         cdir = self.client_dir(record)
+        files = self._write_arrays(cdir, record) if self.reconstructions else []
+        line = {**record.metrics(), "dir": str(cdir.relative_to(self.run_dir)),
+                "stored_at": time.time() - self.started,
+                "files": sorted(f.name for f in files)}
+        atomic_write_bytes(cdir / "metrics.json", dumps(line, indent=2).encode())
+        self.records.append(record if files else _without_arrays(record))
+        self._files.append(files)
+        append_line(self.run_dir / "metrics.jsonl", dumps(line))
+        if self.retain_rounds is not None:
+            self._forget_before(record.server_round - self.retain_rounds + 1)
+        return cdir
+
+    def _write_arrays(self, cdir: Path, record: ClientAudit) -> list[Path]:
+        """The record's pictures and raw inputs, as files in ``cdir``."""
+        files = []
         if record.recon_images is not None:
-            atomic_write_bytes(cdir / "reconstruction.png",
-                               png_bytes(image_grid(record.recon_images)))
+            files.append(atomic_write_bytes(cdir / "reconstruction.png",
+                                            png_bytes(image_grid(record.recon_images))))
         if record.original_images is not None:
-            atomic_write_bytes(cdir / "original.png",
-                               png_bytes(image_grid(record.original_images)))
+            files.append(atomic_write_bytes(cdir / "original.png",
+                                            png_bytes(image_grid(record.original_images))))
         if record.inputs is not None:
             arrays: dict[str, np.ndarray] = {"inputs": np.asarray(record.inputs)}
             if record.matching is not None:
@@ -144,13 +184,25 @@ class AuditStore:
                 arrays["sample_indices"] = np.asarray(record.sample_indices, dtype=np.int64)
             buf = io.BytesIO()
             np.savez_compressed(buf, **arrays)
-            atomic_write_bytes(cdir / "inputs.npz", buf.getvalue())
-        line = {**record.metrics(), "dir": str(cdir.relative_to(self.run_dir)),
-                "stored_at": time.time() - self.started}
-        atomic_write_bytes(cdir / "metrics.json", dumps(line, indent=2).encode())
-        self.records.append(record)
-        append_line(self.run_dir / "metrics.jsonl", dumps(line))
-        return cdir
+            files.append(atomic_write_bytes(cdir / "inputs.npz", buf.getvalue()))
+        return files
+
+    def _forget_before(self, first_kept: int) -> None:
+        """Delete the reconstruction files of rounds before ``first_kept`` (retention)."""
+        for i, record in enumerate(self.records):
+            if record.server_round < first_kept and self._files[i]:
+                for path in self._files[i]:
+                    path.unlink(missing_ok=True)
+                self.records[i], self._files[i] = _without_arrays(record), []
+
+    @property
+    def kept(self) -> str:
+        """Which reconstructions this run keeps, in words (for the summary and the report)."""
+        if not self.reconstructions:
+            return "none (metrics only)"
+        if self.retain_rounds is not None:
+            return f"the last {self.retain_rounds} audited round(s)"
+        return "all"
 
     def add_round(self, server_round: int, info: Mapping[str, Any]) -> None:
         """Record round-level facts (wall time, aggregated metrics) and append them."""
@@ -163,6 +215,7 @@ class AuditStore:
         summary = summarize(self.records, self.rounds, self.config, run_name=self.run_name,
                             run_dir=self.run_dir, wall_seconds=time.time() - self.started)
         summary["notes"] = [*self.notes, *summary.get("notes", [])]
+        summary["reconstructions_kept"] = self.kept
         if extra:
             summary.update(jsonable(dict(extra)))
         atomic_write_bytes(self.run_dir / "summary.json", dumps(summary, indent=2).encode())

@@ -33,8 +33,10 @@ BASE = {
 }
 
 
-def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[dict], Path]:
-    """Run one simulation; return its summary, its metrics.jsonl lines and its directory."""
+def _simulate(tmp_path: Path, name: str, rc: int = 0,
+              **config: object) -> tuple[dict, list[dict], Path]:
+    """Run one simulation (exit status ``rc``); return its summary, its metrics.jsonl lines and
+    its directory."""
     cfg = {**BASE, **config, "output-dir": str(tmp_path), "run-name": name}
     args = [sys.executable, "-m", "experiments.demo", "--json"]
     for key, value in cfg.items():
@@ -42,9 +44,11 @@ def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[d
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_DEDUP_LOGS": "0"}
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420, env=env)
     run_dir = tmp_path / name
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == summary
+    summary["stderr"] = proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        k: v for k, v in summary.items() if k != "stderr"}
     return summary, records_from_jsonl(run_dir / "metrics.jsonl"), run_dir
 
 
@@ -78,6 +82,25 @@ def test_fedsgd_certified_exact_despite_faulty_clients(tmp_path: Path) -> None:
     for name in ("reconstruction.png", "original.png", "inputs.npz", "metrics.json"):
         assert (run_dir / "round-1" / "client-0" / name).is_file()
     assert "data:image/png;base64," in (run_dir / "report.html").read_text()
+    _private(run_dir)
+
+
+def test_metrics_only_run_gated_on_certified_exits_3_and_stores_no_data(tmp_path: Path) -> None:
+    """``store-reconstructions=false``: verdicts and scores, no picture or raw input anywhere;
+    ``fail-on=certified``: the run completes, then exits non-zero naming the gate."""
+    summary, lines, run_dir = _simulate(
+        tmp_path, "gated", rc=3, protocol="fedsgd", **{"num-clients": 2},
+        **{"store-reconstructions": False, "fail-on": "certified"})
+    assert summary["status"] == "completed" and summary["certified"] >= 1
+    assert "privacy gate fail-on='certified'" in summary["stderr"]
+    assert f"{summary['certified']} of {summary['attacked']}" in summary["stderr"]
+    assert summary["reconstructions_kept"] == "none (metrics only)"
+    assert all(ln["files"] == [] and ln["psnr_mean"] is not None for ln in lines)
+    written = {p.name for p in run_dir.rglob("*") if p.is_file()}
+    assert not {n for n in written if n.endswith((".png", ".npz"))}, written
+    page = (run_dir / "report.html").read_text()
+    assert 'alt="reconstruction"' not in page and 'alt="original"' not in page
+    assert "Metrics-only run" in page
     _private(run_dir)
 
 
@@ -123,6 +146,8 @@ def test_dpsgd_scored_and_epsilon_reported(tmp_path: Path) -> None:
     ("protocol=fedprox", "protocol must be one of"),
     ("audit-niceness=25", "audit-niceness must be in 0..19"),
     ("attack.steps=200", "unknown key 'attack.steps'"),
+    ("fail-on=leaky", "fail-on must be one of"),
+    ("audit-ray-resources=fl-attack", "audit-ray-resources item 'fl-attack' is not name=amount"),
 ])
 def test_a_bad_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str,
                                                     message: str) -> None:

@@ -261,3 +261,55 @@ def test_the_report_warns_about_setups_that_give_no_privacy(tmp_path: Path) -> N
     assert any("clipping only: ε = ∞" in n for n in summary["notes"])
     page = (store.run_dir / "report.html").read_text()
     assert "Central DP" in page and "clipping only" in page
+
+
+def test_metrics_only_store_writes_no_reconstruction(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    store = AuditStore(tmp_path, "metrics-only", reconstructions=False)
+    cdir = store.add(_record(1, 0, gt=True, rng=rng))
+    summary = store.finalize()
+    assert sorted(p.name for p in cdir.iterdir()) == ["metrics.json"]
+    assert records_from_jsonl(store.run_dir / "metrics.jsonl")[0]["files"] == []
+    assert summary["reconstructions_kept"] == "none (metrics only)"
+    assert summary["certified"] == 1 and summary["psnr_mean"] == 120.0  # the verdict stays
+    page = (store.run_dir / "report.html").read_text()
+    assert 'alt="reconstruction"' not in page and 'alt="original"' not in page
+    assert "Metrics-only run" in page
+
+
+def test_retention_keeps_the_last_rounds_reconstructions_only(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    store = AuditStore(tmp_path, "retain", retain_rounds=2)
+    dirs = {rnd: store.add(_record(rnd, 0, gt=True, rng=rng)) for rnd in (1, 2, 3)}
+    store.finalize()
+    assert sorted(p.name for p in dirs[1].iterdir()) == ["metrics.json"]
+    for rnd in (2, 3):
+        assert {"reconstruction.png", "original.png", "inputs.npz"} <= {
+            p.name for p in dirs[rnd].iterdir()}
+    lines = records_from_jsonl(store.run_dir / "metrics.jsonl")
+    assert [ln["status"] for ln in lines] == ["certified"] * 3  # metrics of every round stay
+    page = (store.run_dir / "report.html").read_text()
+    assert page.count('alt="reconstruction"') == 2 and "the last 2 audited round(s)" in page
+    with pytest.raises(ValueError, match="retain_rounds"):
+        AuditStore(tmp_path, "bad", retain_rounds=0)
+
+
+@pytest.mark.parametrize(("fail_on", "summary", "trips"), [
+    ("", {"certified": 3, "reconstructions": 3, "attacked": 3}, False),
+    ("certified", {"certified": 0, "reconstructions": 2, "attacked": 2}, False),
+    ("certified", {"certified": 1, "reconstructions": 1, "attacked": 2}, True),
+    ("readable", {"certified": 0, "certified_or_readable": 1, "attacked": 2}, True),
+    ("readable", {"certified": 0, "certified_or_readable": 0, "reconstructions": 2,
+                  "attacked": 2}, False),
+    ("reconstructed", {"certified": 0, "reconstructions": 1, "attacked": 4}, True),
+])
+def test_the_privacy_gate_trips_on_what_it_names(fail_on: str, summary: dict,
+                                                 trips: bool) -> None:
+    from fl_attack_flwr.gate import gate_failure
+
+    why = gate_failure({**summary, "report": "r.html"}, fail_on)
+    assert (why is not None) == trips
+    if trips:
+        assert f"fail-on={fail_on!r}" in why and f"of {summary['attacked']}" in why
+    with pytest.raises(ValueError, match="fail-on must be one of"):
+        gate_failure(summary, "leaky")
