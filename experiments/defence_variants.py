@@ -11,9 +11,10 @@ run (Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``). :func:`matrix` bui
 
 * DP-SGD: the clients report it (Opacus' RDP accountant, composed over their rounds);
 * central DP: client-level ε of the Gaussian mechanism on the aggregate (noise multiplier z,
-  every client in every round, R rounds), from Opacus' RDP accountant — Flower's own accountant
-  (``flwr.supercore.privacy_accounting``) needs the ``dp-accounting`` package, which is not
-  installed here;
+  every client in every round, R rounds), from Flower's own accountant
+  (``flwr.serverapp.RdpAccountant``, backed by Google's ``dp-accounting``, the accountant the
+  wrappers take as ``accountant=``), with no sampling amplification, as the fixed-clipping
+  wrappers require;
 * ``LocalDpMod``: the ε it is configured with, per round (its noise is
   ``sensitivity · sqrt(2 ln(1.25/δ)) / ε``, the classical Gaussian mechanism), and R · ε over R
   rounds (basic composition).
@@ -183,21 +184,34 @@ def default_clip(size: Size) -> float:
 def claimed_epsilon(defence: Defence, rounds: int, reported: float | None) -> str:
     """The privacy ``defence`` claims after ``rounds`` rounds, in words for the table."""
     if defence.family == "dp-sgd":
-        return "∞" if reported is None or not math.isfinite(reported) else f"{reported:.3g}"
+        if reported is None or not math.isfinite(reported):
+            return "∞"
+        return f"{reported:.3g} (Opacus RDP, reported by the clients)"
     if defence.local_dp is not None:
         eps = defence.local_dp[2]
-        return f"{eps:g} per round ({rounds * eps:g} over {rounds}, basic composition)"
+        return (f"{eps:g} per round ({rounds * eps:g} over {rounds}, basic composition; "
+                "LocalDpMod's configured ε)")
     if defence.central is not None:
-        return f"{central_epsilon(defence.central[0], rounds):.3g} (client level)"
+        eps = central_epsilon(defence.central[0], rounds)
+        return f"{eps:.3g} (client level; Flower's RdpAccountant)"
     return "–"
 
 
-def central_epsilon(noise_multiplier: float, rounds: int, delta: float = DELTA) -> float:
-    """Client-level ε of ``rounds`` Gaussian releases with every client sampled (RDP)."""
+def central_epsilon(noise_multiplier: float, rounds: int, clients: int = 1,
+                    delta: float = DELTA) -> float:
+    """Client-level ε of ``rounds`` Gaussian releases on the aggregate of ``clients`` clients,
+    every client in every round, as Flower's own accountant computes it (without sampling
+    amplification the population size does not change ε)."""
     if noise_multiplier <= 0:
         return math.inf
-    from opacus.accountants import RDPAccountant
+    from flwr.serverapp import GaussianPrivacyEvent, PrivacyConfig, RdpAccountant
+    from flwr.supercore.privacy_accounting import NeighboringRelation, SamplingMethod
 
-    acc = RDPAccountant()
-    acc.history = [(float(noise_multiplier), 1.0, int(rounds))]
-    return float(acc.get_epsilon(delta=delta))
+    config = PrivacyConfig(target_delta=delta, population_size=clients,
+                           neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                           sampling_method=SamplingMethod.NO_AMPLIFICATION)
+    accountant = RdpAccountant(config)
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=float(noise_multiplier),
+                                            sample_size=clients, population_size=clients),
+                       count=int(rounds))
+    return float(accountant.get_privacy_spent().epsilon)

@@ -71,9 +71,9 @@ plugin's own `train`.
 
 ε is what each defence claims at δ = 1e-5: DP-SGD as the clients report it (Opacus RDP,
 composed over rounds); central DP the client-level ε of its Gaussian noise on the aggregate
-(noise multiplier z, every client every round, Opacus RDP; Flower's own accountant needs the
-`dp-accounting` package, not installed here); `LocalDpMod` the ε it is configured with, per
-round, and R·ε over R rounds by basic composition.
+(noise multiplier z, every client every round, from Flower's own `RdpAccountant`, the accountant
+its DP wrappers take); `LocalDpMod` the ε it is configured with, per round, and R·ε over R
+rounds by basic composition. Each ε names the accountant that gave it.
 """
 """What ``defences.md`` opens with under its title: how the rows are built."""
 

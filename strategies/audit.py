@@ -51,7 +51,7 @@ from fl_attack_flwr.outcomes import (
 from fl_attack_flwr.protocol import UPDATE_OF_PROTOCOL
 from fl_attack_flwr.records import ClientAudit, ReplyFacts, build_record
 from fl_attack_flwr.replies import strip_ground_truth
-from fl_attack_flwr.report import strategy_notes
+from fl_attack_flwr.report import accountant_notes, strategy_notes
 from fl_attack_flwr.scoring import GroundTruth, InputView
 from fl_attack_flwr.settings import AttackSettings
 from fl_attack_flwr.store import AuditStore
@@ -176,6 +176,8 @@ class AuditingStrategy(WrappingStrategy):
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+        if self.store is not None:
+            self.store.notes += accountant_notes(self.strategy)
 
     # ------------------------------------------------------------------ the audit
 

@@ -22,8 +22,9 @@ from fl_attack_flwr.pictures import image_grid, png_bytes
 from fl_attack_flwr.private_files import jsonable
 from fl_attack_flwr.records import ClientAudit
 
-__all__ = ["EXACT_DB", "READABLE_DB", "STYLE", "config_notes", "figure_png", "fmt", "html_table",
-           "inline_png", "render_report", "strategy_notes", "summarize", "verdict"]
+__all__ = ["EXACT_DB", "READABLE_DB", "STYLE", "accountant_notes", "config_notes", "figure_png",
+           "fmt", "html_table", "inline_png", "render_report", "strategy_notes", "summarize",
+           "verdict"]
 
 EXACT_DB = 90.0
 """PSNR above which a reconstruction is exact to float precision (the papers' threshold)."""
@@ -109,6 +110,19 @@ def strategy_notes(strategy: object) -> list[str]:
     return [f"Central DP ({name}) clips and noises the aggregate only: the server still "
             "receives every client's update, and this audit attacked those. Only noise added "
             "on the client (LocalDpMod, DP-SGD) reaches what the server sees."]
+
+
+def accountant_notes(strategy: object) -> list[str]:
+    """The ε a wrapped Flower central-DP strategy reports from its own accountant (its
+    ``privacy_spent()``, given ``accountant=``), naming the accountant."""
+    spent_of = getattr(strategy, "privacy_spent", None)
+    spent = spent_of() if callable(spent_of) else None
+    if spent is None:
+        return []
+    return [f"{type(strategy).__name__} reports ε = {spent.epsilon:.3g} at δ = {spent.delta:g} "
+            f"after {spent.num_releases} release(s) (Flower's accountant, "
+            f"{spent.accounting_method.upper()}): a client-level guarantee for the noised "
+            "aggregate, not for the individual updates this audit read."]
 
 
 def config_notes(config: Mapping[str, Any]) -> list[str]:

@@ -358,3 +358,28 @@ def test_a_noisy_verdict_names_the_batch_size_readings() -> None:
     assert reason is not None and "B = 17 or 20" in reason and "B = 20 explained" in reason
     _, plain = verdicts.reconstruction_verdict({**summary, "batch_size_readings": []})
     assert plain is not None and "readings" not in plain and "17" not in plain
+
+
+def test_central_dp_epsilon_is_taken_from_flowers_own_accountant(tmp_path) -> None:
+    """A wrapped central-DP strategy with ``accountant=``: the report states its ε, naming the
+    accountant, beside the warning that central DP does not protect the updates read."""
+    from flwr.serverapp import GaussianPrivacyEvent, PrivacyConfig, RdpAccountant
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+    from flwr.supercore.privacy_accounting import NeighboringRelation, SamplingMethod
+
+    accountant = RdpAccountant(PrivacyConfig(
+        target_delta=1e-5, population_size=3,
+        neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+        sampling_method=SamplingMethod.NO_AMPLIFICATION))
+    central = DifferentialPrivacyServerSideFixedClipping(
+        fedavg(), noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=3,
+        accountant=accountant)
+    accountant.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=3,
+                                            population_size=3), count=20)
+    store = AuditStore(tmp_path, "central")
+    AuditingStrategy(central, store=store, attack=AttackSettings(**INLINE)).close()
+    summary = store.finalize()
+    eps = accountant.get_privacy_spent().epsilon
+    note = next(n for n in summary["notes"] if "Flower's accountant, RDP" in n)
+    assert f"ε = {eps:.3g} at δ = 1e-05 after 20 release(s)" in note
+    assert any("clips and noises the aggregate only" in n for n in summary["notes"])
