@@ -19,6 +19,11 @@ Configuration: defaults < the run config (``[tool.flwr.app.config]``) < the Conf
 server sends with each message (the ServerApp forwards its resolved run config, so runs started
 with ``run_simulation``, whose run config is empty, behave like ``flwr run``).
 
+``leak-guard`` (``report``, ``refuse`` or ``escalate``) puts the client's own
+:class:`~fl_attack_flwr.clients.leak_guard.LeakGuard` around its training, with a budget of
+``leak-guard-seconds``; ``escalate`` applies Flower's ``LocalDpMod`` (clipping norm and
+sensitivity ``clip``, ``leak-guard-epsilon``, ``delta``) to an update proven readable.
+
 ``inject-faults`` (e.g. ``"1:raise 2:nan"``) makes given partitions misbehave, to test that the
 audit and the round survive them: ``raise`` (the client fails), ``nan`` (NaN weights), ``shape``
 (a wrongly shaped weight), ``missing`` (an array left out), ``zero`` (the global model sent back
@@ -181,7 +186,27 @@ def _inject(mode: str, arrays: ArrayRecord, global_arrays: ArrayRecord) -> Array
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train on this round's batch and reply with the new weights (see module docstring)."""
+    """Train on this round's batch and reply with the new weights (see module docstring);
+    with ``leak-guard`` set, the client's own LeakGuard checks the reply before it leaves."""
+    cfg = client_config(msg, context)
+    policy = str(cfg["leak-guard"])
+    if not policy:
+        return _train(msg, context)
+    from fl_attack_flwr.clients.leak_guard import LeakGuard
+
+    guard = LeakGuard(policy, max_seconds=float(cfg["leak-guard-seconds"]),
+                      local_dp=_local_dp(cfg) if policy == "escalate" else None)
+    return guard(msg, context, _train)
+
+
+def _local_dp(cfg: Mapping[str, Any]) -> dict[str, float]:
+    """``LocalDpMod`` parameters of the ``escalate`` policy, from the run config."""
+    return {"clipping_norm": float(cfg["clip"]), "sensitivity": float(cfg["clip"]),
+            "epsilon": float(cfg["leak-guard-epsilon"]), "delta": float(cfg["delta"])}
+
+
+def _train(msg: Message, context: Context) -> Message:
+    """The client's own training (the handler a LeakGuard wraps)."""
     from fl_attack.testbed.simulate import local_update
 
     cfg = client_config(msg, context)

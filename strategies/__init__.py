@@ -7,6 +7,12 @@ Wrap your strategy and the server attacks every client update it receives::
     strategy = AuditingStrategy(FedAvg(), store=AuditStore("runs"),
                                 attack=AttackSettings(max_seconds=60))
 
+Let each client check its own update before it leaves (a Flower client mod)::
+
+    from fl_attack_flwr import LeakGuard
+
+    @app.train(mods=[LeakGuard(policy="refuse")])
+
 The names are loaded on first use, so that attack worker processes, which import this package,
 do not pay for Flower's imports.
 """
@@ -17,10 +23,11 @@ import importlib
 from typing import Any
 
 __all__ = ["AttackSettings", "AuditStore", "AuditingStrategy", "ClientAudit", "GroundTruth",
-           "InputView", "verdicts"]
+           "InputView", "LeakGuard", "PrivacyGateError", "verdicts"]
 
 _WHERE = {"AttackSettings": "settings", "AuditStore": "store", "AuditingStrategy": "audit",
-          "ClientAudit": "records", "GroundTruth": "scoring", "InputView": "scoring"}
+          "ClientAudit": "records", "GroundTruth": "scoring", "InputView": "scoring",
+          "LeakGuard": "clients.leak_guard", "PrivacyGateError": "gate"}
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message
@@ -25,6 +26,8 @@ from fl_attack_flwr.protocol import (
     DELTA_KEY,
     EPSILON_CUMULATIVE_KEY,
     EPSILON_KEY,
+    GUARD_CODES,
+    GUARD_KEYS,
     NOISE_STD_KEY,
 )
 from fl_attack_flwr.records import ReplyFacts
@@ -39,7 +42,7 @@ from fl_attack_flwr.replies import (
 )
 from fl_attack_flwr.settings import AttackSettings
 
-__all__ = ["Intake", "Work", "aggregate_intake", "reply_intake", "sample_replies"]
+__all__ = ["Intake", "Work", "aggregate_intake", "guard_of", "reply_intake", "sample_replies"]
 
 Work = AttackJob | AttackOutcome
 """What to do with a reply: attack this job, or record this outcome (nothing to attack)."""
@@ -89,6 +92,10 @@ def reply_intake(ctx: Intake, reply: Message, label: str,
     if reason is not None:
         return facts, AttackOutcome(verdicts.CORRUPT, error=reason)
     facts = _with_metrics(ctx, facts, reply)
+    if facts.guard is not None and facts.guard["refused"]:
+        return facts, AttackOutcome(verdicts.REFUSED, reason=(
+            f"the client's LeakGuard proved {facts.guard['readable_samples']} sample(s) of its "
+            f"update readable ({facts.guard['status']}) and sent no update"))
     if skip is not None:
         return facts, AttackOutcome(verdicts.SKIPPED, reason=skip)
     returned = next(iter(reply.content.array_records.values()))
@@ -121,8 +128,20 @@ def _with_metrics(ctx: Intake, facts: ReplyFacts, reply: Message) -> ReplyFacts:
         facts, num_examples=None if num is None else int(num),
         epsilon=metric(reply, EPSILON_KEY),
         epsilon_cumulative=metric(reply, EPSILON_CUMULATIVE_KEY), delta=metric(reply, DELTA_KEY),
-        noise_std=metric(reply, NOISE_STD_KEY),
-        sample_indices=sample_indices(reply))
+        noise_std=metric(reply, NOISE_STD_KEY), sample_indices=sample_indices(reply),
+        guard=guard_of(reply))
+
+
+def guard_of(reply: Message) -> dict[str, Any] | None:
+    """The reply's ``LeakGuard`` finding (``protocol.GUARD_KEYS``) in words, or ``None``."""
+    values = {key: metric(reply, key) for key in GUARD_KEYS}
+    if any(v is None for v in values.values()):
+        return None
+    status, refused, escalated, certified, readable, lam, seconds = values.values()
+    return {"status": GUARD_CODES.get(int(status), "unknown"), "refused": bool(refused),
+            "escalated": bool(escalated), "certified": bool(certified),
+            "readable_samples": int(readable), "sparsity_match": None if lam < 0 else lam,
+            "seconds": seconds}
 
 
 def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,

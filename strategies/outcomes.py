@@ -99,6 +99,7 @@ def round_metrics(records: list[ClientAudit], seconds: float) -> dict[str, float
         "audit-reconstructions": len(done),
         "audit-certified": n(verdicts.CERTIFIED),
         "audit-protected": n(verdicts.PROTECTED),
+        "audit-refused": n(verdicts.REFUSED),
         "audit-skipped": n(verdicts.SKIPPED),
         "audit-failures": n(*verdicts.ERRORS),
         "audit-corrupt": n(verdicts.CORRUPT),

@@ -23,6 +23,8 @@ __all__ = [
     "EPSILON_CUMULATIVE_KEY",
     "EPSILON_KEY",
     "FAULT_MODES",
+    "GUARD_CODES",
+    "GUARD_KEYS",
     "NOISE_STD_KEY",
     "NUM_EXAMPLES_KEY",
     "PARTITION_ID_KEY",
@@ -44,6 +46,20 @@ EPSILON_KEY = "epsilon"
 EPSILON_CUMULATIVE_KEY = "epsilon-cumulative"
 DELTA_KEY = "delta"
 NOISE_STD_KEY = "noise-std"
+
+#: The finding of a client's ``LeakGuard`` (``fl_attack_flwr.clients.leak_guard``), in the
+#: reply's MetricRecord. MetricRecord holds numbers only, so the status is a code
+#: (:data:`GUARD_CODES`); a missing value (no λ without a reconstruction) is ``-1``. Every reply
+#: of a guarded client carries all of these keys, failures included: Flower's FedAvg averages
+#: the replies' metrics key by key and rejects replies whose keys differ.
+GUARD_KEYS = ("leak-guard-status", "leak-guard-refused", "leak-guard-escalated",
+              "leak-guard-certified", "leak-guard-readable-samples", "leak-guard-lambda",
+              "leak-guard-seconds")
+#: ``leak-guard-status`` code -> the plugin's status word for what the guard's own check found.
+#: ``timeout`` is the guard's budget ending the check before it proved anything.
+GUARD_CODES: dict[int, str] = {0: "not-checked", 1: "certified", 2: "not-certified",
+                               3: "partial", 4: "protected", 5: "no-update", 6: "timeout",
+                               7: "out-of-memory", 8: "attack-error"}
 
 #: Local training protocols of the plugin's clients.
 PROTOCOLS = ("fedsgd", "fedavg", "dpsgd")
@@ -77,6 +93,9 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "eval-size": 64,
     "client-threads": 1,
     "inject-faults": "",
+    "leak-guard": "",
+    "leak-guard-seconds": 30.0,
+    "leak-guard-epsilon": 1.0,
 }
 
 

@@ -56,6 +56,8 @@ class ReplyFacts:
     layer_shape: list[int] | None = None
     inputs_are: str | None = None
     """A note on what the reconstructed inputs are (features of a later layer, an aggregate)."""
+    guard: dict[str, Any] | None = None
+    """The client's own ``LeakGuard`` finding, when its reply carries one (:func:`guard_of`)."""
 
     @property
     def client_label(self) -> str:
@@ -117,6 +119,7 @@ class ClientAudit:
     epsilon_cumulative: float | None = None
     delta: float | None = None
     noise_std: float | None = None
+    guard: dict[str, Any] | None = None
     attack: dict[str, Any] | None = None
     sample_indices: list[int] | None = None
     inputs: np.ndarray | None = field(default=None, repr=False)
@@ -146,7 +149,7 @@ class ClientAudit:
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "ran_on", "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std",
-            "attack",
+            "guard", "attack",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
@@ -179,7 +182,7 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
         psnr_mean=pics.psnr_mean,
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
-        delta=facts.delta, noise_std=facts.noise_std, attack=summary,
+        delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,
         recon_images=pics.recon_images, original_images=pics.original_images,
         matching=pics.matching,

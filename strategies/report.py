@@ -74,6 +74,8 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "not_certified": count[verdicts.NOT_CERTIFIED],
         "partial": count[verdicts.PARTIAL],
         "protected": count[verdicts.PROTECTED],
+        "refused": count[verdicts.REFUSED],
+        "guarded": sum(1 for r in records if r.guard is not None),
         "skipped": count[verdicts.SKIPPED],
         "attack_failures": sum(count[s] for s in verdicts.ERRORS),
         "corrupt_replies": count[verdicts.CORRUPT],
@@ -144,7 +146,14 @@ def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
     attacked, cert, prot = s["attacked"], s["certified"], s["protected"]
     answered = s["reconstructions"] + prot
     parts: list[str] = []
+    refused = s.get("refused", 0)
+    if refused:
+        parts.append(f"{refused} client{' refused' if refused == 1 else 's refused'} to send a "
+                     "readable update: the client's own LeakGuard proved it readable and "
+                     "withheld it.")
     if attacked == 0:
+        if refused:
+            return " ".join(parts) + " No other update was attacked.", "safe"
         return ("No update was attacked: there is no answer in this run "
                 f"({_status_list(s)}).", "none")
     if cert:
@@ -341,8 +350,10 @@ def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
 
 def _clients_section(records: Sequence[ClientAudit]) -> str:
     dp = _reports_dp(records)
+    guarded = any(r.guard is not None for r in records)
     header = ["round", "client", "status", "why", "read as", "B", "λ", "PSNR [dB]", "attack s"]
     header += ["ε (round)", "ε (cumul.)", "δ"] if dp else []
+    header += ["client's LeakGuard"] if guarded else []
     rows = []
     for r in sorted(records, key=lambda r: (r.server_round, r.client_label)):
         why = r.reason or r.error or ""
@@ -352,8 +363,23 @@ def _clients_section(records: Sequence[ClientAudit]) -> str:
                fmt(r.attack_seconds, 1)]
         if dp:
             row += [fmt(r.epsilon), fmt(r.epsilon_cumulative), fmt(r.delta)]
+        if guarded:
+            row.append(_esc(_guard_words(r.guard)))
         rows.append(row)
-    return "<h2>Clients</h2>" + html_table(header, rows, left=(1, 2, 3, 4))
+    left = (1, 2, 3, 4, len(header) - 1) if guarded else (1, 2, 3, 4)
+    return "<h2>Clients</h2>" + html_table(header, rows, left=left)
+
+
+def _guard_words(guard: Mapping[str, Any] | None) -> str:
+    """A client's own LeakGuard finding in a few words (table cell)."""
+    if guard is None:
+        return "–"
+    words = [str(guard["status"])]
+    if guard.get("readable_samples"):
+        words.append(f"{guard['readable_samples']} sample(s) provably readable")
+    words.append("refused" if guard.get("refused") else
+                 "local DP applied, sent" if guard.get("escalated") else "sent")
+    return f"{', '.join(words)} ({fmt(guard.get('seconds'), 1)} s)"
 
 
 def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") -> str:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fl_attack_flwr.clients.leak_guard import POLICIES
 from fl_attack_flwr.gate import FAIL_ON
 from fl_attack_flwr.protocol import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
 from fl_attack_flwr.settings import EXECUTORS, MODES, TARGETS, AttackSettings, RoundFilter
@@ -269,6 +270,10 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("node-wait", cfg["node-wait"] > 0, "> 0 seconds"),
         ("retain-rounds", cfg["retain-rounds"] >= 0, ">= 0 (0 = keep every round)"),
         ("fail-on", cfg["fail-on"] in FAIL_ON, f"one of {[f for f in FAIL_ON if f]} or empty"),
+        ("leak-guard", cfg["leak-guard"] in ("", *POLICIES),
+         f"one of {list(POLICIES)} or empty (no guard)"),
+        ("leak-guard-seconds", cfg["leak-guard-seconds"] > 0, "> 0"),
+        ("leak-guard-epsilon", cfg["leak-guard-epsilon"] > 0, "> 0"),
         ("run-name", cfg["run-name"] == "" or bool(_RUN_NAME.match(cfg["run-name"])),
          "letters, digits, '.', '_', '-' (or empty for a fresh name)"),
     ]

@@ -14,6 +14,8 @@ answer, not as a crash report:
 ``partial``         k of B directions found: a reconstruction in which no sample is guaranteed
 ``protected``       the update does not reveal the batch to this attack; ``reason`` says why
                     (it mixes at least min(m, n) samples, or noise hides every sample)
+``refused``         the client's ``LeakGuard`` proved its update readable and withheld it: the
+                    reply carries no update
 ``no-update``       the client sent back the global model unchanged: nothing to attack
 ``skipped``         not attacked by the audit's sampling (``reason`` says which rule)
 ``corrupt``         the reply cannot be aggregated (NaN, wrong shapes, ...): withheld
@@ -43,6 +45,7 @@ CERTIFIED = "certified"
 NOT_CERTIFIED = "not-certified"
 PARTIAL = "partial"
 PROTECTED = "protected"
+REFUSED = "refused"
 NO_UPDATE = "no-update"
 SKIPPED = "skipped"
 CORRUPT = "corrupt"
@@ -58,8 +61,8 @@ PENDING = "pending"
 RECONSTRUCTED = (CERTIFIED, NOT_CERTIFIED, PARTIAL)
 #: Statuses in which the audit, not the client, failed to give an answer.
 ERRORS = (TIMEOUT, OUT_OF_MEMORY, WORKER_DIED, UNFINISHED, ATTACK_ERROR)
-STATUSES = (*RECONSTRUCTED, PROTECTED, NO_UPDATE, SKIPPED, CORRUPT, CLIENT_ERROR, *ERRORS,
-            PENDING)
+STATUSES = (*RECONSTRUCTED, PROTECTED, REFUSED, NO_UPDATE, SKIPPED, CORRUPT, CLIENT_ERROR,
+            *ERRORS, PENDING)
 
 #: One line of plain words per status, for the report's legend.
 MEANINGS: dict[str, str] = {
@@ -69,6 +72,7 @@ MEANINGS: dict[str, str] = {
                    "is shows only in the PSNR against the true data",
     PARTIAL: "the server found only some of the batch's directions: no sample is guaranteed",
     PROTECTED: "this update does not reveal its batch to the attack",
+    REFUSED: "the client's LeakGuard proved its update readable and did not send it",
     NO_UPDATE: "the client sent back the global model unchanged: nothing to attack",
     SKIPPED: "not attacked (the audit samples replies)",
     CORRUPT: "the reply could not be aggregated and was withheld from the model",

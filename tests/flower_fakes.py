@@ -92,3 +92,11 @@ def configure(strategy: Any, world: dict, nodes: list[int]) -> ArrayRecord:
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid(nodes)))
     assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(nodes)
     return arrays
+
+
+def instruction(node: int, arrays: dict[str, torch.Tensor], kind: str = "train") -> Message:
+    """The message a server sends ``node``: the global arrays, for ``kind`` (train/evaluate)."""
+    md = Metadata(run_id=1, message_id=f"ins-{node}", src_node_id=0, dst_node_id=node,
+                  reply_to_message_id="", group_id="1", created_at=time.time(), ttl=3600.0,
+                  message_type=kind)
+    return Message(content=RecordDict({"arrays": ArrayRecord(arrays)}), metadata=md)

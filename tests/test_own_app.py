@@ -95,3 +95,10 @@ def test_the_plugin_import_cannot_collide_with_a_users_packages(tmp_path: Path) 
     assert ours.startswith(str(site)) and module == "fl_attack_flwr.audit"
     assert not (site / "clients").exists() and not (site / "strategies").exists()
     assert not (site / "experiments").exists()
+    # every package of the source tree is in the install (a subpackage left out of
+    # pyproject's list would be missing only for users)
+    for src, dst in (("fl_attack", "fl_attack"), ("strategies", "fl_attack_flwr"),
+                     ("clients", "fl_attack_flwr/clients")):
+        for init in (ROOT / src).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / src)
+            assert (site / dst / rel).is_file(), f"{src}/{rel} is not installed"
