@@ -69,7 +69,7 @@ class InputView:
 
     def images(self, inputs: np.ndarray) -> tuple[np.ndarray | None, bool]:
         """``((B, C, H, W) images in [0, 1] or None, shape inferred)`` of reconstructed inputs."""
-        x = torch.as_tensor(np.asarray(inputs, dtype=np.float64))
+        x = torch.as_tensor(np.array(inputs, dtype=np.float64))  # a writable copy
         if x.ndim != 2 or not bool(torch.isfinite(x).all()):
             return None, False
         shape, inferred = self.shape_for(int(x.shape[1]))
