@@ -196,19 +196,6 @@ def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[d
             records_from_jsonl(tmp_path / name / "metrics.jsonl"))
 
 
-def test_refuse_in_a_real_simulation(tmp_path: Path) -> None:
-    summary, lines = _simulate(tmp_path, "refuse", **{"leak-guard": "refuse"})
-    assert summary["status"] == "completed" and len(lines) == 2
-    for ln in lines:
-        guard = ln["guard"]
-        assert guard is not None and guard["refused"] == (guard["readable_samples"] > 0)
-        assert (ln["status"] == "refused") == guard["refused"]
-        if guard["refused"]:  # the server got the global model back: nothing to read
-            assert ln["files"] == [] and ln["batch_size"] is None
-    assert summary["refused"] == sum(ln["guard"]["refused"] for ln in lines)
-    assert summary["certified"] <= sum(not ln["guard"]["certified"] for ln in lines)
-
-
 def test_report_with_a_guard_that_runs_out_of_time(tmp_path: Path) -> None:
     """A budget far too small for the guard's check: whatever it found, ``report`` sends the
     updates unchanged, and the server attacks them as it would without the guard."""

@@ -43,7 +43,10 @@ def _run_example(tmp_path: Path, name: str, client: dict) -> tuple[dict, list[di
 
 
 def test_one_step_clients_are_certified_with_pictures_of_an_inferred_shape(tmp_path: Path) -> None:
-    summary, lines = _run_example(tmp_path, "one-step", {"samples": 16, "batch-size": 16})
+    """The clients run LeakGuard(policy="report"): their updates go out unchanged and the
+    server's records carry each client's own finding."""
+    summary, lines = _run_example(tmp_path, "one-step", {"samples": 16, "batch-size": 16,
+                                                          "leak-guard": "report"})
     assert len(lines) == 2 and {ln["client"] for ln in lines} == {"node-1", "node-2"}
     for ln in lines:
         assert ln["layer"] == "fc1.weight" and ln["layer_shape"] == [128, 3072]
@@ -54,16 +57,39 @@ def test_one_step_clients_are_certified_with_pictures_of_an_inferred_shape(tmp_p
     page = (tmp_path / "one-step" / "report.html").read_text()
     assert page.count("alt=\"reconstruction\"") == 2 and "audit off" not in page
     assert "Input shape (3, 32, 32) inferred" in page
+    assert "client&#x27;s LeakGuard" in page or "client's LeakGuard" in page
+    for ln in lines:
+        assert ln["guard"] is not None and ln["guard"]["refused"] is False
     for ln in lines:
         assert (tmp_path / "one-step" / ln["dir"] / "reconstruction.png").is_file()
 
 
 def test_ordinary_fedavg_clients_are_protected_not_errors(tmp_path: Path) -> None:
+    """Under LeakGuard(policy="refuse") too: an update no exact attack can read (it mixes 96
+    samples in a 128-unit layer) is sent unchanged, and the server finds it protected."""
     summary, lines = _run_example(tmp_path, "fedavg", {"samples": 96, "batch-size": 32,
-                                                        "local-epochs": 2})
+                                                        "local-epochs": 2, "leak-guard": "refuse"})
     assert [ln["status"] for ln in lines] == ["protected", "protected"]
+    assert all(ln["guard"]["status"] == "protected" and not ln["guard"]["refused"]
+               for ln in lines)
     assert all("mixes at least min(m, n)" in ln["reason"] and ln["error"] is None for ln in lines)
     assert summary["verdict_level"] == "safe" and summary["attack_failures"] == 0
+
+
+def test_refusing_clients_leave_the_server_nothing_to_read(tmp_path: Path) -> None:
+    """LeakGuard(policy="refuse") on one SGD step of 16 photos: what a client's check proves
+    readable never reaches the server, and the round completes."""
+    summary, lines = _run_example(tmp_path, "refuse", {"samples": 16, "batch-size": 16,
+                                                        "leak-guard": "refuse"})
+    assert len(lines) == 2 and summary["refused"] == sum(ln["guard"]["refused"] for ln in lines)
+    for ln in lines:
+        guard = ln["guard"]
+        assert guard["refused"] == (guard["readable_samples"] > 0)
+        assert (ln["status"] == "refused") == guard["refused"]
+        if guard["refused"]:
+            assert ln["files"] == [] and ln["batch_size"] is None
+    assert summary["certified"] <= sum(not ln["guard"]["certified"] for ln in lines)
+    assert ("refused to send a readable update" in summary["verdict"]) == bool(summary["refused"])
 
 
 def test_the_plugin_import_cannot_collide_with_a_users_packages(tmp_path: Path) -> None:

@@ -1,4 +1,8 @@
-"""The app's ClientApp: trains on its partition and sends back its weights and num-examples."""
+"""The app's ClientApp: trains on its partition and sends back its weights and num-examples.
+
+With ``leak-guard`` set (``make_client_app({"leak-guard": "refuse"})``) the client first checks
+its own update with fl-attack's ``LeakGuard``: the one line marked below.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,20 @@ from typing import Any
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fl_attack_flwr import LeakGuard
 from photo_mlp.task import Net, load_partition, train
 
-DEFAULTS: dict[str, Any] = {"local-epochs": 1, "batch-size": 16, "samples": 16, "lr": 0.05}
+DEFAULTS: dict[str, Any] = {"local-epochs": 1, "batch-size": 16, "samples": 16, "lr": 0.05,
+                            "leak-guard": ""}
 
 
 def make_client_app(config: dict[str, Any] | None = None) -> ClientApp:
     """A ClientApp with ``config`` over :data:`DEFAULTS` (and over the run config)."""
     app = ClientApp()
+    policy = {**DEFAULTS, **(config or {})}["leak-guard"]
+    mods = [LeakGuard(policy=policy, max_seconds=30)] if policy else []  # the client's own check
 
-    @app.train()
+    @app.train(mods=mods)
     def fit(msg: Message, context: Context) -> Message:
         cfg = {**DEFAULTS, **dict(context.run_config), **(config or {})}
         net = Net()
