@@ -58,12 +58,13 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(job: AttackJob) -> Non
         inline.close()
         pool.close()
         ray_ex.close()
-    assert ref.status in verdicts.RECONSTRUCTED
+    # the situation this test needs: a job the attack certifies (8 digits through 100 units),
+    # whose exact reconstruction is then the same on every executor, whatever its float path
+    assert ref.status == verdicts.CERTIFIED, f"setup: the job must be certified ({ref.reason})"
     for out in outs:
-        assert out.status == ref.status
+        assert out.status == verdicts.CERTIFIED
         assert out.summary["batch_size"] == ref.summary["batch_size"]
-        if ref.status == verdicts.CERTIFIED:  # an exact reconstruction is the same anywhere
-            assert _same_rows(out.inputs, ref.inputs)
+        assert _same_rows(out.inputs, ref.inputs)
 
 
 def test_ray_runs_at_most_max_inflight_attacks_and_replaces_a_timed_out_actor(
