@@ -1,5 +1,6 @@
 """Peeling found samples off the gradient with the next layer's gradient (``fl_attack.peel``),
-on real photo batches: each step against the true factor ∂L/∂Z, then the whole attack."""
+on real photo batches: each step against the true factor ∂L/∂Z, then the whole attack with
+the search's findings built in (a round monkeypatched to offer chosen true columns)."""
 
 from __future__ import annotations
 
@@ -7,33 +8,37 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fl_attack
-from fl_attack import peel
+from fl_attack import peel, rounds
+from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.decompose import decompose
+from fl_attack.pool import CandidatePool
 from fl_attack.scale import make_system
-from fl_attack.testbed import data, metrics, models
+from fl_attack.state import SearchContext, SearchState
+from fl_attack.testbed import models
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, M = 20, 200
 
 
-def _case(seed: int = 0, B: int = B, m: int = M) -> dict:
-    """A real batch's first two layers' gradients, the truth, and the attack's factors."""
-    x, y = data.sample_batch("photos32", B, seed=seed)
-    xn = data.normalize(x, "photos32").reshape(B, -1)
-    model = models.relu_mlp(xn.shape[1], m, 3, seed=seed)
-    G, g = models.layer_gradients(model, xn, y, 0)
-    G2, _ = models.layer_gradients(model, xn, y, 1)
-    lin = models.linear_layers(model)[0]
-    W, b = lin.weight.detach(), lin.bias.detach()
-    Z = (xn @ W.T + b).requires_grad_(True)
-    rest = torch.nn.Sequential(*list(model.children())[2:])
-    (D,) = torch.autograd.grad(F.cross_entropy(rest(Z), y), Z)
-    dec = decompose(G.double(), floor_rtol=1e-6)
-    system = make_system(dec.L, dec.R, g.double(), W.double(), b.double(), 1e-4, 1e-5)
-    return {"x": x, "xn": xn.double(), "y": y, "model": model, "G": G, "g": g, "G2": G2,
-            "W": W, "b": b, "dec": dec, "system": system, "Qt": dec.L.T @ D.double().T}
+@pytest.fixture(scope="module")
+def case(real_batch):
+    """``case(seed=0, B=20, m=200)``: a real photo batch's first two layers' gradients, the
+    truth, and the attack's factors."""
+
+    def build(seed: int = 0, B: int = B, m: int = M) -> dict:
+        t = real_batch("photos32", B, m, seed)
+        G2, _ = models.layer_gradients(t.model, t.X.float(), t.y, 1)
+        dec = decompose(t.G.double(), floor_rtol=1e-6)
+        system = make_system(dec.L, dec.R, t.g.double(), t.W.double(), t.b.double(), 1e-4,
+                             1e-5)
+        return {"x": t.x, "xn": t.X, "y": t.y, "model": t.model, "G": t.G, "g": t.g,
+                "G2": G2, "W": t.W, "b": t.b, "dec": dec, "system": system,
+                "Qt": dec.L.T @ t.D, "D": t.D}
+
+    return build
 
 
 def _recover(t: dict, cols: torch.Tensor) -> peel.Peeled:
@@ -45,12 +50,12 @@ def _recover(t: dict, cols: torch.Tensor) -> peel.Peeled:
 
 
 @pytest.mark.parametrize(("b", "m"), [(B, M), (100, 500)])
-def test_true_columns_give_every_sample_exactly_and_verified(b: int, m: int) -> None:
+def test_true_columns_give_every_sample_exactly_and_verified(b: int, m: int, case) -> None:
     """Each true column on its own (unit length, unknown scale) gives its sample through the
-    next layer: verified, input exact to float32 precision, the column's true scale back. At
-    (100, 500) a kernel tolerance of 1e-7 rejected 43 of the 100 true columns, and counting
-    trimmed rows as chance zeros 4 more."""
-    t = _case(B=b, m=m)
+    next layer: verified, input exact to float32 precision, the column's true scale back.
+    (100, 500) is where the kernel tolerance matters: one at 1e-7 would reject 43 of the 100
+    true columns, and counting trimmed rows as chance zeros 4 more."""
+    t = case(B=b, m=m)
     Qt = t["Qt"]
     out = _recover(t, Qt / Qt.norm(dim=0))
     assert bool(out.verified.all())
@@ -60,9 +65,9 @@ def test_true_columns_give_every_sample_exactly_and_verified(b: int, m: int) -> 
 
 
 @pytest.mark.parametrize(("b", "m"), [(B, M), (100, 500)])
-def test_a_mixture_of_two_columns_is_not_verified(b: int, m: int) -> None:
+def test_a_mixture_of_two_columns_is_not_verified(b: int, m: int, case) -> None:
     """Sums of two true columns (no sample's pattern) and random directions are rejected."""
-    t = _case(B=b, m=m)
+    t = case(B=b, m=m)
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
     gen = torch.Generator().manual_seed(0)
     h = b // 2
@@ -72,10 +77,10 @@ def test_a_mixture_of_two_columns_is_not_verified(b: int, m: int) -> None:
     assert not bool(out.verified.any()) and out.inputs.shape == (0, t["xn"].shape[1])
 
 
-def test_peeling_leaves_the_gradient_of_the_other_samples() -> None:
+def test_peeling_leaves_the_gradient_of_the_other_samples(case) -> None:
     """Taking 12 verified samples off leaves the gradient the other 8 contribute to the batch's
     mean loss: the 8-sample batch's own gradient times 8/20."""
-    t = _case()
+    t = case()
     Qt = t["Qt"]
     out = _recover(t, Qt[:, :12] / Qt[:, :12].norm(dim=0))
     assert int(out.verified.sum()) == 12
@@ -86,10 +91,10 @@ def test_peeling_leaves_the_gradient_of_the_other_samples() -> None:
     assert float((gr - scale * g8.double()).norm() / gr.norm()) < 1e-4
 
 
-def test_fast_factors_equal_the_full_decompositions() -> None:
+def test_fast_factors_equal_the_full_decompositions(case) -> None:
     """The randomised basis of the next layer's rows spans what its SVD spans, and the reduced
     factors L (I - A C) R give the same column space and product as decomposing G - Σ g xᵀ."""
-    t = _case()
+    t = case()
     gen = torch.Generator().manual_seed(0)
     fast = peel.next_layer_rows(t["G2"].double(), B, 1e-6, gen)
     full = decompose(t["G2"].double(), floor_rtol=1e-6).R
@@ -109,42 +114,66 @@ def test_fast_factors_equal_the_full_decompositions() -> None:
     assert peel.reduced(t["dec"], wrong) is None
 
 
-def test_a_starved_search_peels_and_recovers_the_whole_batch() -> None:
-    """A starved search (32 starts, one round, no slice sampling: 14 of 20 columns alone on
-    batch 0, as measured) whose found samples are peeled off level by level. Batches 0-2:
-    every certified result is exact (every sample > 90 dB), and at least two of the three are
-    recovered whole after peeling samples off. Without the next layer nothing is peeled."""
-    opts = {"seed": 0, "n_init": 32, "max_rounds": 1, "steps": 200, "slice_samples": 0,
-            "max_seconds": None}
-    whole = 0
-    for seed in range(3):
-        t = _case(seed=seed)
-        rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"],
-                               next_weight_grad=t["G2"], **opts)
-        x = t["x"]
-        images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), "photos32")
-        if rec.exact:
-            assert float(metrics.score_batch(images, x).psnr.min()) > 90.0, f"seed {seed}"
-            whole += int(rec.peeled > 0 and rec.n_directions == B)
-    assert whole >= 2, f"only {whole}/3 batches recovered whole by peeling"
-    t = _case(seed=0)
+def _offer_in_span(D: torch.Tensor, most: int):
+    """A search round that offers the pool at most ``most`` of the true ∂L/∂Z columns ``D``
+    (m, B) that lie in the level's column space (after a peel, only the samples left over):
+    a round monkeypatched to find exactly these columns."""
+
+    def round_(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+        L = ctx.L
+        q = L.T @ normalize_columns(D.to(L))
+        q = normalize_columns(q[:, q.norm(dim=0) > 1 - 1e-4][:, :most])
+        pool.add(q, zero_mask(L @ q, ctx.zero_rtol).sum(dim=0))
+
+    return round_
+
+
+def test_samples_found_by_a_starved_search_are_peeled_and_the_rest_solved(
+        monkeypatch: pytest.MonkeyPatch, case, promises, image_score) -> None:
+    """Built directly: each search round finds at most 12 of the true columns in its level's
+    column space, and nothing completes the rest (slice sampling off, more than three
+    missing). With the next layer's gradient the 12 found samples are verified and peeled
+    off, and the 8 left are a batch of their own whose round finds all of them: all 20
+    directions, certified, every image exact. Without the next layer nothing is peeled and
+    the result is partial: 12 directions, not certified."""
+    t = case(seed=0)
+    monkeypatch.setattr(rounds, "spearpp_round", _offer_in_span(t["D"], 12))
+    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    opts = {"seed": 0, "max_rounds": 2, "slice_samples": 0, "max_seconds": None}
+    rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"],
+                           next_weight_grad=t["G2"], **opts)
+    assert rec.peeled == 12 and rec.n_directions == B and rec.exact
+    assert float(image_score(rec.inputs, t["x"], "photos32").psnr.min()) > 90.0
     alone = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"], **opts)
-    assert alone.peeled == 0
+    assert alone.peeled == 0 and alone.n_directions == 12 and not alone.exact
+    promises(alone, t["x"], "photos32")
 
 
-def test_a_next_layer_of_another_rank_is_not_used() -> None:
+def test_a_starved_search_with_the_next_layer_keeps_its_promises(case, promises) -> None:
+    """The real search, starved (32 starts, one round, no slice sampling: it finds only
+    part of the batch on its own), with the next layer's gradient: whatever it finds and
+    peels, the attack keeps its promises."""
+    t = case(seed=0)
+    rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"], next_weight_grad=t["G2"],
+                           seed=0, n_init=32, max_rounds=1, steps=200, slice_samples=0,
+                           max_seconds=None)
+    promises(rec, t["x"], "photos32")
+
+
+def test_a_next_layer_of_another_rank_is_not_used(case, promises) -> None:
     """A next-layer gradient of fewer samples cannot hold every activation: a warning, no
-    peeling, the attack runs as without it."""
-    t = _case()
+    peeling, and the attack goes on without it, keeping its promises."""
+    t = case()
     G2_half, _ = models.layer_gradients(t["model"], t["xn"][:10].float(), t["y"][:10], 1)
     with pytest.warns(UserWarning, match="rank"):
         rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"], seed=0,
                                next_weight_grad=G2_half)
-    assert rec.peeled == 0 and rec.exact
+    assert rec.peeled == 0
+    promises(rec, t["x"], "photos32")
 
 
-def test_bad_next_layer_inputs_raise() -> None:
-    t = _case()
+def test_bad_next_layer_inputs_raise(case) -> None:
+    t = case()
     G, g, W, b, G2 = t["G"], t["g"], t["W"], t["b"], t["G2"]
     with pytest.raises(ValueError, match=r"next_weight_grad has shape .*\(k, 200\)"):
         fl_attack.invert(G, g, weight=W, bias=b, next_weight_grad=G2[:, :100])

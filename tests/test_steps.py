@@ -7,12 +7,10 @@ photo batch (first layer of a ReLU MLP) and must recover what the attack relies 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from scipy.optimize import linprog
 
 from fl_attack import (
@@ -34,35 +32,26 @@ from fl_attack.clock import Clock
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.scale import make_system
 from fl_attack.state import SearchState, search_context
-from fl_attack.testbed import data, models
 from fl_attack.tolerances import tolerances
 from fl_attack.tuning import TUNING
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _truth(B: int, m: int, seed: int) -> dict[str, torch.Tensor]:
-    """A real photo batch's first-layer gradient, its factor L and the true directions Qt."""
-    x, y = data.sample_batch("photos32", B, seed=seed)
-    xn = data.normalize(x, "photos32").reshape(B, -1)
-    model = models.relu_mlp(xn.shape[1], m, 3, seed=seed)
-    G, g = models.first_layer_gradients(model, xn, y)
-    lin = models.linear_layers(model)[0]
-    W, b = lin.weight.detach(), lin.bias.detach()
-    Z = (xn @ W.T + b).requires_grad_(True)
-    rest = torch.nn.Sequential(*list(model.children())[2:])
-    (D,) = torch.autograd.grad(F.cross_entropy(rest(Z), y), Z)
-    dec = decompose(G, floor_rtol=1e-6)
-    assert dec.batch_size == B
-    Qt = dec.L.T @ D.double().T  # D = L Qt: the true (scaled) columns
-    return {"L": dec.L, "R": dec.R, "g": g.double(), "W": W.double(), "b": b.double(),
-            "Qt": Qt, "D": D.double().T, "G": G.double()}
+@pytest.fixture(scope="module")
+def truth(real_batch):
+    """``truth(B, m, seed)``: a real photo batch's first-layer gradient, its factor L and the
+    true directions Qt (D = ∂L/∂Z = L Qt), as a dict of float64 tensors."""
+
+    def build(B: int, m: int, seed: int) -> dict[str, torch.Tensor]:
+        t = real_batch("photos32", B, m, seed)
+        dec = decompose(t.G, floor_rtol=1e-6)
+        assert dec.batch_size == B
+        return {"L": dec.L, "R": dec.R, "g": t.g.double(), "W": t.W.double(),
+                "b": t.b.double(), "Qt": dec.L.T @ t.D, "D": t.D, "G": t.G.double(),
+                "X": t.X, "x": t.x}
+
+    return build
 
 
 def _hits(Qt: torch.Tensor, Q: torch.Tensor, tol: float = 1e-6) -> set[int]:
@@ -76,10 +65,10 @@ def _hits(Qt: torch.Tensor, Q: torch.Tensor, tol: float = 1e-6) -> set[int]:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_complete_missing_recovers_dropped_columns(k: int) -> None:
+def test_complete_missing_recovers_dropped_columns(k: int, truth) -> None:
     """With B - k true columns known, the k missing ones follow from W, b and the bias
     gradient alone (completion.complete_missing): every dropped column is among the candidates."""
-    t = _truth(20, 200, seed=1)
+    t = truth(20, 200, seed=1)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(k)
     drop = torch.randperm(20, generator=gen)[:k].tolist()
@@ -89,23 +78,23 @@ def test_complete_missing_recovers_dropped_columns(k: int) -> None:
     assert Qc.shape[1] <= 4 * 200 * 200  # candidates, not the whole sphere
 
 
-def test_complete_missing_needs_the_right_scale_slice() -> None:
+def test_complete_missing_needs_the_right_scale_slice(truth) -> None:
     """The completion is not vacuous: with a wrong bias gradient (scale constraint) the dropped
     column is not recovered."""
-    t = _truth(20, 200, seed=1)
+    t = truth(20, 200, seed=1)
     system = make_system(t["L"], t["R"], -t["g"], t["W"], t["b"], 1e-4)
     keep = list(range(1, 20))
     Qc = completion.complete_missing(system, t["Qt"][:, keep])
     assert 0 not in _hits(t["Qt"], Qc)
 
 
-def test_sample_missing_recovers_many_dropped_columns() -> None:
+def test_sample_missing_recovers_many_dropped_columns(truth) -> None:
     """Eight of thirty columns dropped (too many for the exact completion): points sampled on
     the missing samples' slice give back at least half of them exactly (measured 5-7 of 8 over
     generator seeds). Not every kernel returned is a column: some row sets vanish on mixtures
     of samples (measured: 11 of 59 kernels true, spurious ones with up to 101 zeros), which
     the attack's polishing, leverage test and λ selection sort out."""
-    t = _truth(30, 200, seed=1)
+    t = truth(30, 200, seed=1)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(0)
     drop = torch.randperm(30, generator=gen)[:8].tolist()
@@ -117,12 +106,13 @@ def test_sample_missing_recovers_many_dropped_columns() -> None:
 
 
 @pytest.mark.parametrize(("B", "m", "chunk"), [(30, 200, 2**25), (100, 1000, 2**22)])
-def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chunk: int) -> None:
+def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chunk: int,
+                                                            truth) -> None:
     """Slice sampling's three nested row sets per point, screened with Grams accumulated along
     the nesting (``nested_row_set_kernels``), give exactly the kernels of screening each
     rule's row sets on their own (``pattern_kernels`` on the deduplicated masks), also when
     the points are split into several chunks."""
-    t = _truth(B, m, seed=1)
+    t = truth(B, m, seed=1)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     gen = torch.Generator().manual_seed(0)
     keep = torch.randperm(B, generator=gen)[: B - B // 3]
@@ -160,11 +150,11 @@ def test_nested_row_set_kernels_equal_the_separate_row_sets(B: int, m: int, chun
     assert float(cos.max(dim=0).values.min()) > 1 - 1e-9
 
 
-def test_known_free_flags_the_sets_a_known_column_vanishes_on() -> None:
+def test_known_free_flags_the_sets_a_known_column_vanishes_on(truth) -> None:
     """A row set inside a known column's zero rows has that column in its kernel, so
     ``known_free`` marks it (clean and under noise); one row where the column is clearly active
     frees the set."""
-    t = _truth(30, 200, seed=1)
+    t = truth(30, 200, seed=1)
     L, q = t["L"], t["Qt"][:, :1]
     v = (L @ q)[:, 0].abs()
     zeros = v <= 1e-6 * v.max()  # its inactive rows (float32 gradient: ~1e-7)
@@ -200,12 +190,12 @@ def _similar_pair(t: dict[str, torch.Tensor], B: int) -> tuple[torch.Tensor, int
 
 
 @pytest.mark.parametrize("seed", [0, 2])
-def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
+def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int, truth) -> None:
     """A partial set of true columns passes the LP feasibility test; adding the mixture of the
     two samples with the most shared zero rows (one found, one missing) makes the mixture and
     its found partner infeasible and leaves every other column feasible. (Measured margins:
     true ≥ 0.03, mixture -0.75 / -0.90, partner -0.99 / -1.0.)"""
-    t = _truth(30, 200, seed=seed)
+    t = truth(30, 200, seed=seed)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     Qt, i, j, mix = _similar_pair(t, 30)
     keep = [c for c in range(30) if c not in (j, 3, 7, 11, 19, 23, 27) or c == i][:22]
@@ -216,12 +206,13 @@ def test_pattern_margins_reject_a_mixture_of_similar_samples(seed: int) -> None:
     assert bad == {len(keep), keep.index(i)}, (sorted(bad), margins)
 
 
-def test_constraint_generation_gives_the_full_lp_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_constraint_generation_gives_the_full_lp_margin(monkeypatch: pytest.MonkeyPatch,
+                                                       truth) -> None:
     """The margins found by constraint generation (``feasibility.max_margin``: one warm-started
     HiGHS model, a few hundred of the m rows) equal those of the LP over every row solved from
     scratch by ``scipy.optimize.linprog``, for true columns (margin ≥ 0), the mixture of two
     similar samples and its partner (margins < 0); also when the round cap adds every row."""
-    t = _truth(30, 200, seed=0)
+    t = truth(30, 200, seed=0)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-4)
     Qt, i, j, mix = _similar_pair(t, 30)
     keep = [c for c in range(30) if c != j][:20]
@@ -246,11 +237,11 @@ def test_constraint_generation_gives_the_full_lp_margin(monkeypatch: pytest.Monk
     assert float(full.min()) < feasibility.FAIL_MARGIN < float(full.max())  # both kinds present
 
 
-def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
+def test_irls_round_snaps_perturbed_columns_to_exact_ones(truth) -> None:
     """Directions a few degrees off the true columns (what ℓ1 returns when a similar sample
     pulls it off) are driven to the exact columns by reweighted least squares, and the
     result has the column's full zero set."""
-    t = _truth(20, 200, seed=0)
+    t = truth(20, 200, seed=0)
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
     gen = torch.Generator().manual_seed(0)
     noise = torch.randn(Qt.shape, generator=gen, dtype=Qt.dtype)
@@ -266,10 +257,10 @@ def test_irls_round_snaps_perturbed_columns_to_exact_ones() -> None:
         assert int(zeros[i]) >= int(true_zeros[i])
 
 
-def test_starts_in_the_complement_reach_the_missing_columns() -> None:
+def test_starts_in_the_complement_reach_the_missing_columns(truth) -> None:
     """Starts orthogonal to the known columns (search.random_complement) reach the missing
     columns far more often than uniform starts, on the unchanged ℓ1 landscape."""
-    t = _truth(20, 200, seed=2)
+    t = truth(20, 200, seed=2)
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
     missing = [3, 11, 17]
     known = [i for i in range(20) if i not in missing]
@@ -288,12 +279,12 @@ def test_starts_in_the_complement_reach_the_missing_columns() -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["pgd", "radam"])
-def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> None:
+def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str, truth) -> None:
     """``max_seconds`` reaches inside the long steps: with its deadline already passed,
     the optimiser stops at its first look at the clock (the same iterates as a run of that
     many steps) and IRLS returns only the first chunk of directions, each as a full run
     would have refined it."""
-    t = _truth(20, 200, seed=1)
+    t = truth(20, 200, seed=1)
     L = t["L"]
     gen = torch.Generator().manual_seed(0)
     init = search.random_sphere(64, 20, generator=gen, dtype=torch.float64,
@@ -313,11 +304,11 @@ def test_a_passed_deadline_stops_the_search_after_one_check(optimizer: str) -> N
 
 
 def test_conditional_directions_stay_within_their_memory_blocks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, truth) -> None:
     """A large pool is solved in blocks of at most ``chunk_elems`` (found columns x zero rows x
     B; one block of a noisy (150,4000) pool asked for 7.9 GB) taken in the pool's order, every
     column gets its seeds, and a passed deadline stops after the first block."""
-    t = _truth(20, 200, seed=0)
+    t = truth(20, 200, seed=0)
     L, found = t["L"], t["Qt"] / t["Qt"].norm(dim=0)
     zeros = columns.zero_mask(L @ found, 1e-4).sum(dim=0)
     blocks: list[tuple[int, int]] = []
@@ -357,10 +348,10 @@ def test_a_deadline_passes_only_once_the_clock_is_beyond_it() -> None:
     assert not clock.passed(now + 3600.0)
 
 
-def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
+def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline(truth) -> None:
     """Stage 2 swaps two wrong columns for the true ones held as spares (λ → 1); with its
     deadline already passed it makes no swap and returns the basis it was given."""
-    t = _truth(20, 200, seed=2)
+    t = truth(20, 200, seed=2)
     system = make_system(t["L"], t["R"], t["g"], t["W"], t["b"], 1e-6)
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
     gen = torch.Generator().manual_seed(0)
@@ -379,7 +370,7 @@ def test_greedy_swaps_fix_a_basis_and_stop_at_a_passed_deadline() -> None:
     assert late is not None and late.value == before.value
 
 
-def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
+def test_chance_zeros_count_as_matches_only_without_law_violations(truth) -> None:
     """A real photo batch (20, 200) whose ∂L/∂Z has exactly one chance zero, planted: an active
     unit's entry set to 1e-7 of its column's largest (below the float32 zero test, as measured
     on real batches: 4e-7 at (30, 200) batch 16), with every other active entry kept clear of
@@ -387,9 +378,8 @@ def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
     keep the *true* basis below 1; λ counts that chance zero as a match (the ReLU law holds
     there) and reports it. A basis with a column mixing two samples breaks the law and keeps
     every mismatch."""
-    t = _truth(20, 200, seed=0)
-    x, _ = data.sample_batch("photos32", 20, seed=0)
-    X = data.normalize(x, "photos32").reshape(20, -1).double()
+    t = truth(20, 200, seed=0)
+    X = t["X"]
     Z = (X @ t["W"].T + t["b"]).T  # (m, B)
     D = t["D"].clone()
     top = D.abs().amax(dim=0, keepdim=True)
@@ -412,7 +402,7 @@ def test_chance_zeros_count_as_matches_only_without_law_violations() -> None:
         assert wrong is not None and wrong.value < 0.999 and wrong.chance_zeros == 0
 
 
-def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
+def test_repair_restores_a_true_column_above_the_leverage_cut(truth) -> None:
     """The final repair (``certify.repair``) replaces the mismatching columns of a full basis by
     the exact completion's candidates without the leverage cut of the search: a true column
     can have a zero row of leverage above ``max_leverage`` (a sample whose zero rows nearly all
@@ -420,7 +410,7 @@ def test_repair_restores_a_true_column_above_the_leverage_cut() -> None:
     basis of a real (30, 200) batch with its highest-leverage column mixed with another
     (which spoils both columns' patterns), ``max_leverage`` set just below that column's
     leverage. The repair must give back the true basis, λ = 1."""
-    t = _truth(30, 200, seed=3)
+    t = truth(30, 200, seed=3)
     probe = config.AttackConfig()
     dec = decompose(t["G"], floor_rtol=1e-6)
     zero_rtol, z_band = tolerances(dec, probe, torch.float32)
@@ -474,11 +464,11 @@ def test_gathered_grams_and_leverages_match_the_masked_formulas() -> None:
         assert float(lev[c]) == pytest.approx(float(ref), abs=1e-10)
 
 
-def test_masked_kernels_match_full_eigendecompositions() -> None:
+def test_masked_kernels_match_full_eigendecompositions(truth) -> None:
     """The Cholesky-based kernel projection used by polishing gives the eigh reference's kernel
     dimensions and directions, on true columns (1-d kernels on their zero rows), on faces
     (rows shared by two samples: 2-d kernels) and on random directions (no kernel)."""
-    t = _truth(20, 200, seed=2)
+    t = truth(20, 200, seed=2)
     L, Qt = t["L"], t["Qt"]
     gen = torch.Generator().manual_seed(0)
     zeros = t["D"].abs() <= 1e-7 * t["D"].abs().amax(dim=0)  # (m, B) true zero rows
@@ -500,11 +490,11 @@ def test_masked_kernels_match_full_eigendecompositions() -> None:
     assert float(cos[:30].min()) > 1 - 1e-12
 
 
-def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() -> None:
+def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse(truth) -> None:
     """Gaussian noise on a real photo batch's gradient: ``noise_scales`` predicts the scatter of
     each true column's zero rows, and ``noisy_sparsity`` scores every true column above the
     attack's trust level and random directions of the same span far below it."""
-    t = _truth(20, 200, seed=0)
+    t = truth(20, 200, seed=0)
     G = t["L"] @ t["R"]
     gen = torch.Generator().manual_seed(0)
     nu = 0.05 * float(G.abs().median())
@@ -526,11 +516,11 @@ def test_noise_scales_predict_the_noise_and_true_columns_score_clearly_sparse() 
     assert int(random.max()) < 0.5 * trust
 
 
-def _noisy_truth(B: int, m: int, frac: float = 0.01
+def _noisy_truth(truth, B: int, m: int, frac: float = 0.01
                  ) -> tuple[dict[str, torch.Tensor], Decomposition, torch.Tensor, torch.Generator]:
-    """``_truth`` with Gaussian noise of std ``frac`` x the median |entry| on the gradient:
+    """``truth`` with Gaussian noise of std ``frac`` x the median |entry| on the gradient:
     (truth, noisy decomposition, row_noise = ν / s, the generator for more draws)."""
-    t = _truth(B, m, seed=0)
+    t = truth(B, m, seed=0)
     G = t["L"] @ t["R"]
     gen = torch.Generator().manual_seed(0)
     nu = frac * float(G.abs().median())
@@ -538,13 +528,13 @@ def _noisy_truth(B: int, m: int, frac: float = 0.01
     return t, dec, dec.noise_std / dec.singular_values[:B], gen
 
 
-def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
+def test_noisy_pattern_kernels_are_least_squares_within_the_noise(truth) -> None:
     """Gaussian noise on a real photo batch's gradient (B = 40, m = 1000): the true zero rows
     of every sample have a kernel within the noise (``row_noise``), where the float tolerance
     of the clean test drops some of them and takes some two-sample faces for columns; random
     row sets give nothing either way."""
     B, m = 40, 1000
-    t, dec, row_noise, gen = _noisy_truth(B, m)
+    t, dec, row_noise, gen = _noisy_truth(truth, B, m)
     assert dec.batch_size == B
     zero_rtol, _ = tolerances(dec, config.AttackConfig(), torch.float32)
     Qt = dec.L.T @ t["D"]
@@ -559,12 +549,12 @@ def test_noisy_pattern_kernels_are_least_squares_within_the_noise() -> None:
     assert kernels.pattern_kernels(dec.L, rand, zero_rtol, row_noise=row_noise).shape[1] == 0
 
 
-def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -> None:
+def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns(truth) -> None:
     """Under noise (B = 40, m = 1000, real photos), columns a few milliradians off the truth
     come back to the least-squares kernels of their zero rows, several times closer to the
     true directions; random directions, which have no zero rows to fit, stay far from sparse."""
     B, m = 40, 1000
-    t, dec, row_noise, gen = _noisy_truth(B, m)
+    t, dec, row_noise, gen = _noisy_truth(truth, B, m)
     Qt = columns.normalize_columns(dec.L.T @ t["D"])
     off = columns.normalize_columns(Qt + 3e-3 * torch.randn(Qt.shape, generator=gen,
                                                               dtype=Qt.dtype))
@@ -580,24 +570,24 @@ def test_noisy_refit_moves_columns_to_their_zero_rows_and_leaves_non_columns() -
     assert bool((score[:B] >= trust).all()) and int(score[B:].max()) < 0.5 * trust
 
 
-def test_polish_reports_the_zeros_its_directions_have() -> None:
+def test_polish_reports_the_zeros_its_directions_have(truth) -> None:
     """Polishing fits each direction to its smallest rows (``n_rows``, here more than a narrow
     layer's τ m) and reports its zero count, which the pool filters on: the count must be
     that of the returned direction, not of the rows it was fitted on (a least-squares fit to
     rows that are no sample's zeros has none). Random directions on a real (8, 32) batch."""
-    t = _truth(8, 32, seed=1)
+    t = truth(8, 32, seed=1)
     Q = torch.randn(8, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     Qp, zeros, _, _ = polish.polish(t["L"], Q, n_rows=10, zero_rtol=1e-4)
     assert torch.equal(zeros, columns.zero_mask(t["L"] @ Qp, 1e-4).sum(dim=0))
 
 
-def test_polish_refits_until_the_zero_rows_settle() -> None:
+def test_polish_refits_until_the_zero_rows_settle(truth) -> None:
     """Directions 1e-3 off the true columns of a real (50, 1000) batch: the first pass fits
     the smallest rows, the second all zeros of that fit, which can still hold a row that is
     no zero (or miss one) and leave the column off by 1e-4. Polishing goes on while a
     column's zeros change, so every column comes back to float precision: as close to the
     truth as polishing the true columns themselves."""
-    t = _truth(50, 1000, seed=0)
+    t = truth(50, 1000, seed=0)
     Qt = t["Qt"] / t["Qt"].norm(dim=0)
     n_rows = 324  # the attack's first pass at m = 1000 (3/4 of the 433 zeros a column needs)
 
