@@ -253,3 +253,23 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
 def promises() -> Callable[..., None]:
     """:func:`check_promises`: ``promises(rec, x, name, exact_db=90.0)``."""
     return check_promises
+
+
+@pytest.fixture
+def task_identity() -> Iterator[None]:
+    """FedAvg creates instruction Messages, which read the (process-wide) task identity."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, object]:
+    """A global model and three clients' (nodes 11-13) real FedSGD updates on disjoint MNIST
+    batches (``tests.flower_fakes.fedsgd_world``)."""
+    from tests.flower_fakes import fedsgd_world
+
+    return fedsgd_world()

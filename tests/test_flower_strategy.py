@@ -10,7 +10,6 @@ background mode and reply sampling.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -37,28 +36,9 @@ from tests.flower_fakes import (
     configure,
     content,
     fedavg,
-    fedsgd_world,
     good_replies,
     reply,
 )
-
-
-@pytest.fixture
-def task_identity() -> Iterator[None]:
-    """FedAvg creates instruction Messages, which read the (process-wide) task identity."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-@pytest.fixture(scope="module")
-def world() -> dict[str, object]:
-    """A global model and three clients' real FedSGD updates on disjoint MNIST batches."""
-    return fedsgd_world()
-
 
 INLINE = {"executor": "inline", "max_seconds": 60.0}
 

@@ -27,21 +27,14 @@ from tests.flower_fakes import (
     configure,
     content,
     fedavg,
-    fedsgd_world,
     instruction,
     reply,
 )
-from tests.test_flower_strategy import task_identity  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CERTIFIED = GuardFinding("certified", readable_samples=8, sparsity_match=1.0, seconds=0.5)
 PROTECTED = GuardFinding("protected", seconds=0.1, reason="mixes at least min(m, n)")
 TIMEOUT = GuardFinding("timeout", sparsity_match=0.91, seconds=30.0)
-
-
-@pytest.fixture(scope="module")
-def world() -> dict[str, object]:
-    return fedsgd_world()
 
 
 def _guarded(world: dict, guard: LeakGuard, node: int = 11) -> tuple[Message, Message]:

@@ -19,8 +19,7 @@ from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, verdict
 from fl_attack_flwr.ray_executor import RayExecutor
 from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
 from fl_attack_flwr.store import records_from_jsonl
-from tests.flower_fakes import configure, fedavg, fedsgd_world, good_replies
-from tests.test_flower_strategy import task_identity  # noqa: F401 - a fixture
+from tests.flower_fakes import configure, fedavg, good_replies
 
 ATTACK_NODE = {"fl-attack": 1.0}
 
@@ -40,11 +39,6 @@ def cluster() -> Iterator[tuple[Cluster, str]]:
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-@pytest.fixture(scope="module")
-def world() -> dict[str, object]:
-    return fedsgd_world()
 
 
 def _job(world: dict) -> AttackJob:
