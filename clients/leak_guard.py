@@ -96,8 +96,9 @@ class LeakGuard:
     policy : {"report", "refuse", "escalate"}
         What to do with an update the check proves readable (see the module docstring).
     max_seconds : float
-        The check's time budget (soft: the final selection may take a quarter more). Smaller
-        than a server's by design: the client's round waits for it.
+        The check's time budget, shared by the readings it tries (soft: each reading's final
+        selection may take a quarter more). Smaller than a server's by design: the client's
+        round waits for it.
     on_unknown : {"send", "refuse"}
         What to do when the check gives no answer (its budget ran out, or it failed).
     weight_key, bias_key : str, optional
@@ -146,14 +147,15 @@ class LeakGuard:
         self.policy, self.on_unknown = policy, on_unknown
         self.local_dp = dict(local_dp) if local_dp is not None else None
         self.weighted_by_key, self.refused_weight = weighted_by_key, float(refused_weight)
-        self.settings = AttackSettings(
+        readings = AttackSettings(update=update).readings()
+        self.settings = AttackSettings(  # the readings share the budget: it bounds the check
             weight_key=weight_key, bias_key=bias_key, update=update, next_layer=next_layer,
-            max_seconds=max_seconds, seed=seed, executor="inline", device="cpu")
+            max_seconds=max_seconds / len(readings), seed=seed, executor="inline", device="cpu")
 
     def __call__(self, msg: Message, ctxt: Context,
                  call_next: Callable[[Message, Context], Message]) -> Message:
         """Run the client's handler, check its update, apply the policy (train messages)."""
-        if msg.metadata.message_type != "train" or len(msg.content.array_records) != 1:
+        if not _is_train(msg) or len(msg.content.array_records) != 1:
             return call_next(msg, ctxt)
         sent = {k: np.array(v.numpy(), copy=True)
                 for k, v in next(iter(msg.content.array_records.values())).items()}
@@ -207,6 +209,11 @@ class LeakGuard:
         for record in reply.content.metric_records.values():
             if self.weighted_by_key in record:
                 record[self.weighted_by_key] = self.refused_weight
+
+
+def _is_train(msg: Message) -> bool:
+    """A train message: ``train``, or a named train action ``train.<action>``."""
+    return msg.metadata.message_type.split(".", 1)[0] == "train"
 
 
 def _attack(sent: Mapping[str, np.ndarray], reply: Message,

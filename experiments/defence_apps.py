@@ -14,6 +14,9 @@ row is its own federation (fresh initial model, round 1 again, a fresh audit sto
 
 A node's ``context.state`` lives for the whole simulation; :func:`fresh_state_mod` clears it at
 a row's round 1 so that, e.g., the DP-SGD clients' ε history starts anew in each row.
+
+The client-side guard row runs the plugin's ``LeakGuard`` from the run config (``leak-guard``),
+inside the plugin's ``train`` (the guard checks named train actions, ``train.<row key>``, too).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 :func:`collect` reads what each row's audit stored (``summary.json`` via ``defence.json``,
 ``metrics.jsonl``) and reduces it to the columns of the table: can the server read the data
 (updates certified, share of the attacked samples reconstructed above 25 dB and above 90 dB),
-the privacy the defence claims (ε), the clients' accuracy at the end, and what a round costs.
+how many updates the clients' own ``LeakGuard`` refused to send, the privacy the defence claims
+(ε), the clients' accuracy at the end, and what a round costs.
 :func:`sentence` says the same in plain words; :func:`render_html` puts the table and a plot of
 leakage against accuracy (one point per defence) at the top of one self-contained page.
 """
@@ -27,8 +28,10 @@ from fl_attack_flwr.store import records_from_jsonl
 
 __all__ = ["collect", "markdown_table", "plot_png", "render_html", "sentence"]
 
-#: Statuses of replies the audit did not attack (nothing to score).
-_NOT_ATTACKED = (verdicts.SKIPPED, verdicts.NO_UPDATE, verdicts.CORRUPT, verdicts.CLIENT_ERROR)
+#: Statuses of replies the audit did not attack (nothing to score). A refused reply (the client's
+#: LeakGuard withheld its update) carries no update; its samples count as not read (see ``_row``).
+_NOT_ATTACKED = (verdicts.SKIPPED, verdicts.NO_UPDATE, verdicts.CORRUPT, verdicts.CLIENT_ERROR,
+                 verdicts.REFUSED)
 
 
 def collect(run_dir: Path, defences: Sequence[Defence], rounds: int) -> list[dict[str, Any]]:
@@ -44,8 +47,15 @@ def _row(row_dir: Path, d: Defence, rounds: int) -> dict[str, Any]:
     except (OSError, ValueError, KeyError) as exc:
         return {**row, "status": "missing", "error": f"{type(exc).__name__}: {exc}"}
     row["status"], row["error"] = summary.get("status"), summary.get("error")
+    config = json.loads((row_dir / "config.json").read_text())
+    audited = RoundFilter(str(config["audit-rounds"]))
     attacked = [ln for ln in lines if ln["status"] not in _NOT_ATTACKED]
     psnrs = [p for ln in attacked for p in (ln.get("psnr") or [])]
+    replies = [ln for ln in lines if not ln["client"].startswith("aggregate")]
+    refused = [ln for ln in replies if ln["status"] == verdicts.REFUSED]
+    # A reply withheld in an audited round: the server had its batch to read and got nothing.
+    # The plugin's clients train on exactly batch-size samples per round.
+    withheld = [ln for ln in refused if int(ln["server_round"]) in audited]
     row.update(
         attacked=len(attacked),
         certified=sum(ln["status"] == verdicts.CERTIFIED for ln in attacked),
@@ -55,7 +65,9 @@ def _row(row_dir: Path, d: Defence, rounds: int) -> dict[str, Any]:
         statuses=sorted({ln["status"] for ln in attacked}),
         clients=len({ln["client"] for ln in lines if not ln["client"].startswith("aggregate")}),
         samples=sum(int(ln.get("true_batch_size") or ln.get("num_examples") or 0)
-                    for ln in attacked),
+                    for ln in attacked) + len(withheld) * int(config["batch-size"]),
+        guarded=sum(ln.get("guard") is not None for ln in replies),
+        refused=len(refused), withheld=len(withheld),
         readable=sum(p > READABLE_DB for p in psnrs),
         exact=sum(p > EXACT_DB for p in psnrs),
         certified_min_psnr=min((ln["psnr_mean"] for ln in attacked
@@ -68,7 +80,6 @@ def _row(row_dir: Path, d: Defence, rounds: int) -> dict[str, Any]:
     evals = summary.get("evaluate_metrics") or {}
     last = max(evals, key=int) if evals else None
     row["accuracy"] = (evals[last].get("eval-acc") if last else None)
-    audited = RoundFilter(str(json.loads((row_dir / "config.json").read_text())["audit-rounds"]))
     per_round = summary.get("per_round") or {}
     plain = [float(v["train-round-seconds"]) for k, v in per_round.items()
              if "train-round-seconds" in v and int(k) not in audited]
@@ -94,6 +105,8 @@ _MECHANISM = {
                          "aggregation",
     "local-dp": "the noise is added on the client, before the server sees the update",
     "dp-sgd": "the noise is added on the client, before the server sees the update",
+    "leak-guard": "each client runs the server's exact attack on its own update and withholds one "
+                  "it proves readable (the model learns nothing from a withheld update)",
     "secagg": "the server sees only the sum, yet the sum is one batch of every client's samples",
     "secagg+": "SecAgg+ quantizes each client's weighted parameters with stochastic rounding: "
                "the unmasked aggregate carries that rounding noise",
@@ -103,6 +116,18 @@ _MECHANISM = {
 def _reading(row: dict[str, Any]) -> str:
     """What the server read, from the row's counts."""
     n, s, k = row["attacked"], row["samples"], row["certified"]
+    w = row.get("withheld", 0)
+    if w:
+        head = (f"the clients' LeakGuard withheld {w} of {n + w} audited updates as provably "
+                f"readable, nothing read from them; ")
+        if not n:
+            return head + f"nothing readable (0 of {s} samples above {READABLE_DB:.0f} dB)"
+        if row["readable"]:
+            return (head + f"of the {n} sent, {k} certified: {row['readable']} of {s} samples "
+                    f"readable (> {READABLE_DB:.0f} dB), {row['exact']} exact "
+                    f"(> {EXACT_DB:.0f} dB)")
+        return (head + f"the {n} sent left nothing readable (0 of {s} samples above "
+                f"{READABLE_DB:.0f} dB)")
     if row["family"] in ("secagg", "secagg+"):
         head = f"the aggregate of {row['clients']} clients ({s} samples): "
         if k:
@@ -135,16 +160,19 @@ def sentence(row: dict[str, Any], baseline: float | None) -> str:
     return f"{row['label']}: {_reading(row)}{why}{cost}."
 
 
-_COLUMNS = ("defence", "updates attacked", "certified", "protected", "samples > 25 dB",
-            "samples > 90 dB", "ε (δ = 1e-5)", "accuracy", "round s", "attack s")
+_COLUMNS = ("defence", "updates attacked", "certified", "protected", "refused (all rounds)",
+            "samples > 25 dB", "samples > 90 dB", "ε (δ = 1e-5)", "accuracy", "round s",
+            "attack s")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     if row.get("status") != "completed":
         return [row["label"], row.get("status") or "–"] + ["–"] * (len(_COLUMNS) - 2)
-    s = row["samples"]
+    s, guarded = row["samples"], row.get("guarded", 0)
+    refused = (f"{row['refused']}/{guarded} ({_pct(row['refused'], guarded)})" if guarded
+               else "–")
     return [row["label"], str(row["attacked"]), str(row["certified"]), str(row["protected"]),
-            f"{row['readable']}/{s} ({_pct(row['readable'], s)})",
+            refused, f"{row['readable']}/{s} ({_pct(row['readable'], s)})",
             f"{row['exact']}/{s} ({_pct(row['exact'], s)})", row["epsilon"],
             "–" if row["accuracy"] is None else f"{100 * row['accuracy']:.1f}%",
             fmt(row["round_seconds"], 2), fmt(row["attack_seconds"], 2)]
@@ -231,13 +259,17 @@ def render_html(rows: Sequence[dict[str, Any]], header: str, page_dir: Path) -> 
         "<h1>Which defence protects you?</h1>",
         f"<p>{_esc(header)}</p>",
         f"<ol>{items}</ol>",
-        report.html_table(["#", *_COLUMNS], table_rows, left=(1, 7)),
+        report.html_table(["#", *_COLUMNS], table_rows, left=(1, 8)),
         report.inline_png(png, "leakage against accuracy") if png else "<p>No point to plot.</p>",
         "<h2>How to read this</h2><dl>"
         "<dt>updates attacked</dt><dd>Client updates the server inverted (under secure "
         "aggregation: the round's aggregate, one batch of every client's samples).</dd>"
         "<dt>certified</dt><dd>Reconstructions the attack proves exact from the update alone "
         "(λ = 1, every direction, no noise).</dd>"
+        "<dt>refused (all rounds)</dt><dd>Replies in which the client's own LeakGuard "
+        "(policy refuse) proved its update readable and withheld it, of all replies its guard "
+        "checked, over every round; – where the clients run no guard. A withheld update of an "
+        "attacked round counts as its batch's samples, none read.</dd>"
         f"<dt>samples &gt; {READABLE_DB:.0f} / {EXACT_DB:.0f} dB</dt><dd>Of all samples in the "
         "attacked updates, those the server reconstructed recognisably / exactly (PSNR "
         "against the client's true samples; a protected update counts as nothing read).</dd>"

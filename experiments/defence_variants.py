@@ -4,7 +4,10 @@ A :class:`Defence` is one row of the matrix: run-config overrides for the client
 (protocol, batch sizes, DP-SGD noise), plus what Flower adds around it: a central-DP strategy
 wrapper (noise on the aggregate, clipping on the server or on the client), a ``LocalDpMod`` on the
 clients' train handler, secure aggregation as the audit's ``aggregate`` target, or a real SecAgg+
-run (Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``). :func:`matrix` builds the rows for a
+run (Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``). The client-side guard row runs the
+plugin's ``LeakGuard`` in the clients with ``policy="refuse"`` (run config ``leak-guard``), with
+the same budget as the server's attack (``leak-guard-seconds`` = the size's ``max_seconds``): a
+client withholds an update its own check proves readable. :func:`matrix` builds the rows for a
 :class:`Size`.
 
 ε is what the defence claims, computed the way its own library would:
@@ -71,7 +74,8 @@ class Defence:
         A Python identifier: the ClientApp's train action and the run's directory name.
     family : str
         ``none``, ``fedavg``, ``central-dp-server``, ``central-dp-client``, ``local-dp``,
-        ``dp-sgd``, ``secagg`` (the audit attacks the round's aggregate) or ``secagg+``.
+        ``dp-sgd``, ``leak-guard`` (the clients' own ``LeakGuard``, from the run config),
+        ``secagg`` (the audit attacks the round's aggregate) or ``secagg+``.
     label : str
         How the report names it.
     config : dict
@@ -145,6 +149,9 @@ def matrix(size: Size, *, central_noise: float = 1.0, clip: float | None = None,
                             f"Opacus DP-SGD, noise multiplier {z:g} (C = 1)",
                             {"protocol": "dpsgd", "noise-multiplier": z, "clip": 1.0,
                              "delta": DELTA}))
+    rows.append(Defence(
+        "leak_guard_refuse", "leak-guard", "client-side guard (refuse)",
+        {"leak-guard": "refuse", "leak-guard-seconds": size.max_seconds}))
     rows.append(Defence("secagg", "secagg",
                         f"secure aggregation of {size.clients} clients (audit of the aggregate)"))
     if secaggplus:

@@ -9,11 +9,14 @@ scores it against the clients' true samples. Defences (``experiments.defence_var
 * Flower's central DP: ``DifferentialPrivacyServerSideFixedClipping`` and
   ``DifferentialPrivacyClientSideFixedClipping`` with the client mod ``fixedclipping_mod``;
 * ``LocalDpMod`` at several ε; Opacus DP-SGD at several noise multipliers;
+* the clients' own ``LeakGuard`` with ``policy="refuse"`` (run config ``leak-guard``): a client
+  withholds an update its check proves readable (the share refused is its own column);
 * secure aggregation: the audit attacks only the round's aggregate; and a real SecAgg+ run
   (``SecAggPlusWorkflow`` / ``secaggplus_mod``, see ``experiments.defence_secaggplus``).
 
-For each: updates certified, share of the attacked samples reconstructed above 25 dB and 90 dB,
-ε where defined, the clients' final accuracy, round time. Writes a section to
+For each: updates certified, updates refused by the clients' guard, share of the attacked
+samples reconstructed above 25 dB and 90 dB, ε where defined, the clients' final accuracy, round
+time. Writes a section to
 ``experiments/results/defences.md`` and one HTML page (table, plot, plain words).
 
     .venv/bin/python -m experiments.defences                 # small: about a minute
@@ -55,9 +58,13 @@ How the rows are built (`experiments/defence_*.py`): the plugin's own ClientApp 
 server process receives it. Central DP is Flower's `DifferentialPrivacyServerSideFixedClipping` /
 `DifferentialPrivacyClientSideFixedClipping` (+ `fixedclipping_mod` on the clients' train
 handler); local DP is `LocalDpMod` on the train handler; DP-SGD is the clients' Opacus
-protocol. "Secure aggregation" is the audit's `target="aggregate"`: only the round's aggregate is
-attacked, as one batch of every client's samples. "SecAgg+" is a real run of Flower's
-`SecAggPlusWorkflow` and `secaggplus_mod`.
+protocol. "Client-side guard (refuse)" is the plugin's `LeakGuard` in the clients (run config
+`leak-guard = "refuse"`, `leak-guard-seconds` = the server's attack budget): a client runs the
+server's exact attack on its own update and withholds one it proves readable (it sends the
+received arrays back at a weight FedAvg ignores); *refused* counts those replies over all rounds,
+and a withheld round-1 reply counts as its batch's samples, none read. "Secure aggregation" is
+the audit's `target="aggregate"`: only the round's aggregate is attacked, as one batch of every
+client's samples. "SecAgg+" is a real run of Flower's `SecAggPlusWorkflow` and `secaggplus_mod`.
 
 SecAgg+ and the Message API (flwr 1.41): `flwr.serverapp` and `flwr.clientapp` have no secure
 aggregation. The only SecAgg+ is the legacy one: `SecAggPlusWorkflow` needs a `LegacyContext`

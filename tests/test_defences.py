@@ -4,7 +4,8 @@
   the Markdown section and the HTML page are written, and the numbers obey what the defences
   and the attack promise (no defence: the server reconstructs; central DP: the server still
   receives every client's update; local DP whose noise swamps the update: nothing certified;
-  secure aggregation: only the aggregate is attacked; certified: above 90 dB).
+  secure aggregation: only the aggregate is attacked; the clients' guard withholds exactly
+  the updates it proves readable; certified: above 90 dB).
 * The SecAgg+ server strategy on a constructed round: the unmasked aggregate of three clients'
   real updates is attacked as one batch of all their samples, the model is left as SecAgg+
   aggregated it.
@@ -40,7 +41,6 @@ from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
 from fl_attack_flwr.store import records_from_jsonl
 from tests.flower_fakes import FakeGrid
-from tests.test_flower_strategy import task_identity  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET, SIZE, B, WIDTH = "mnist", 200, 8, 100
@@ -68,7 +68,7 @@ def test_matrix_writes_its_results(matrix_run: dict) -> None:
     assert all(r["status"] == "completed" for r in rows.values()), rows
     families = {r["family"] for r in rows.values()}
     assert families == {"none", "fedavg", "central-dp-server", "central-dp-client", "local-dp",
-                        "dp-sgd", "secagg", "secagg+"}
+                        "dp-sgd", "leak-guard", "secagg", "secagg+"}
     assert "Machine:" in md and "python -m experiments.defences" in md
     for r in rows.values():  # one table line and one sentence per row
         assert f"| {r['label']} |" in md and f"- {r['label']}:" in md
@@ -94,6 +94,16 @@ def test_matrix_numbers_keep_the_defences_promises(matrix_run: dict) -> None:
                 if ln["server_round"] == 1 and ln["status"] == "skipped")
         if r["family"] == "dp-sgd":
             assert r["epsilon"] not in ("–", "∞")
+        replies = [ln for ln in lines[r["key"]] if not ln["client"].startswith("aggregate")]
+        if r["family"] == "leak-guard":  # every reply carries its client's finding
+            assert r["guarded"] == len(replies) and r["refused"] <= r["guarded"]
+            for ln in replies:  # withheld exactly when the check proved samples readable
+                assert (ln["status"] == "refused") == ln["guard"]["refused"]
+                assert ln["guard"]["refused"] == (ln["guard"]["readable_samples"] > 0)
+                if ln["status"] == "refused":
+                    assert not ln.get("psnr")  # nothing reached the server to read
+        else:
+            assert r["guarded"] == 0 and r["refused"] == 0
         assert 0 <= r["exact"] <= r["readable"] <= r["samples"]
     certified = [ln for ls in lines.values() for ln in ls if ln["status"] == "certified"]
     assert certified and all(ln["psnr_mean"] > 90.0 for ln in certified)  # soundness

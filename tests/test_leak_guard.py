@@ -117,6 +117,21 @@ def test_every_guarded_reply_carries_the_same_keys_so_fedavg_aggregates(
     assert all(np.allclose(arrays[k].numpy(), v.numpy()) for k, v in world["global"].items())
 
 
+def test_named_train_actions_are_checked_too(world: dict,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``@app.train("action")`` handlers get ``train.action`` messages: the guard checks them."""
+    guard = _with_finding(monkeypatch, LeakGuard("refuse"), CERTIFIED)
+    state, _ = world["updates"][11]
+    sent = guard(instruction(11, world["global"], "train.action"),
+                 Context(1, 11, {}, RecordDict(), {}), lambda _m, _c: reply(11, content(state, 0)))
+    assert _metrics(sent)["leak-guard-refused"] == 1
+
+
+def test_the_check_shares_one_budget_among_its_readings() -> None:
+    assert LeakGuard(max_seconds=30.0).settings.max_seconds == 15.0  # gradient, then fedavg
+    assert LeakGuard(max_seconds=30.0, update="gradient").settings.max_seconds == 30.0
+
+
 def test_evaluate_messages_pass_through(world: dict) -> None:
     made = Message(content=RecordDict({}), reply_to=instruction(11, world["global"], "evaluate"))
     guard = LeakGuard("refuse")
