@@ -48,13 +48,14 @@ from fl_attack_flwr.outcomes import (
     pictures_of,
     round_metrics,
 )
+from fl_attack_flwr.pixel_step import ModelPlan
 from fl_attack_flwr.protocol import UPDATE_OF_PROTOCOL
 from fl_attack_flwr.records import ClientAudit, ReplyFacts, build_record
 from fl_attack_flwr.replies import strip_ground_truth
-from fl_attack_flwr.report import accountant_notes, strategy_notes
 from fl_attack_flwr.scoring import GroundTruth, InputView
 from fl_attack_flwr.settings import AttackSettings
 from fl_attack_flwr.store import AuditStore
+from fl_attack_flwr.summary import accountant_notes, strategy_notes
 from fl_attack_flwr.wrapper import WrappingStrategy
 
 __all__ = ["AuditingStrategy"]
@@ -87,6 +88,14 @@ class AuditingStrategy(WrappingStrategy):
     protocol : {"fedsgd", "fedavg", "dpsgd"}, optional
         The clients' training protocol, when known: it fixes how the update is read (otherwise
         ``attack.update`` decides, by default trying both readings).
+    model : nn.Module or callable, optional
+        The clients' model (an instance, or its class / a factory with no arguments). Where the
+        attacked layer is not the first (a CNN's ``fc1``), the attack recovers that layer's
+        input features exactly, and the model turns them into pictures: the server runs the
+        layers before it with the weights it sent (``fl_attack.pixels``). It also lets the
+        audit check what the attack assumes (a ReLU right after the attacked layer).
+    pixel_seconds : float
+        Time budget of the pictures estimated from features, per update.
     enabled : bool
         ``False`` makes the wrapper a pure pass-through (benchmark baseline).
     """
@@ -95,7 +104,8 @@ class AuditingStrategy(WrappingStrategy):
                  attack: AttackSettings | None = None, ground_truth: GroundTruth | None = None,
                  dataset: str | None = None, input_shape: tuple[int, int, int] | None = None,
                  input_transform: Callable[..., Any] | tuple[Any, Any] | None = None,
-                 protocol: str | None = None, enabled: bool = True) -> None:
+                 protocol: str | None = None, model: Any = None, pixel_seconds: float = 60.0,
+                 enabled: bool = True) -> None:
         super().__init__(strategy if strategy is not None else FedAvg())
         attack = attack or AttackSettings()
         if protocol is not None:
@@ -107,6 +117,9 @@ class AuditingStrategy(WrappingStrategy):
         self.attack, self.store, self.protocol, self.enabled = attack, store, protocol, enabled
         self.ground_truth = ground_truth
         self.view = InputView(dataset, input_shape, input_transform)
+        self.model = None if model is None else ModelPlan(
+            model, input_shape=self.view.model_shape(), bounds=self.view.bounds(),
+            max_seconds=pixel_seconds)
         if store is not None:
             store.notes += strategy_notes(self.strategy)
         self.records: list[ClientAudit] = []
@@ -197,7 +210,7 @@ class AuditingStrategy(WrappingStrategy):
             chosen = {i: "secure aggregation: the server sees only the round's aggregate"
                       for i in chosen}
         ctx = Intake(server_round, self.attack, self.weighted_by_key, self.protocol,
-                     self._current, dict(self._sent))
+                     self._current, dict(self._sent), self.model)
         keep, replied, futures = [], [], []
         for i, reply in enumerate(replies):
             node = int(reply.metadata.src_node_id)
@@ -263,8 +276,7 @@ class AuditingStrategy(WrappingStrategy):
                 return
         pictures = None
         if outcome.reconstructed and outcome.inputs is not None:
-            pictures = pictures_of(outcome.inputs, self.view, self.ground_truth,
-                                   facts.sample_indices)
+            pictures = pictures_of(outcome, facts, self.view, self.ground_truth)
         record = build_record(facts, outcome, pictures)
         with self._lock:
             if facts in self._done:

@@ -6,9 +6,10 @@
     some client's batch was reconstructed with the attack's certificate (exact, proven from
     the update alone);
 ``"readable"``
-    certified, or a reconstruction scored recognisable against the ground truth (PSNR above
-    25 dB, audit mode only; without ground truth an uncertified reconstruction cannot be
-    judged and does not trip the gate);
+    a certified reconstruction of the model's own inputs, or any reconstruction scored
+    recognisable against the ground truth (PSNR above 25 dB, audit mode only: pictures
+    estimated from features count by their score; without ground truth an uncertified
+    reconstruction cannot be judged and does not trip the gate);
 ``"reconstructed"``
     any reconstruction at all, certified or not, complete or partial.
 

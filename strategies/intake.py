@@ -22,6 +22,7 @@ from flwr.app import ArrayRecord, Message
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.outcome import AttackOutcome
+from fl_attack_flwr.pixel_step import LayerPlan, ModelPlan
 from fl_attack_flwr.protocol import (
     DELTA_KEY,
     EPSILON_CUMULATIVE_KEY,
@@ -33,6 +34,7 @@ from fl_attack_flwr.protocol import (
 from fl_attack_flwr.records import ReplyFacts
 from fl_attack_flwr.replies import (
     AttackJob,
+    LayerChoice,
     build_job,
     choose_layer,
     corrupt_reason,
@@ -62,6 +64,8 @@ class Intake:
     """The arrays the round started from."""
     sent: dict[int, ArrayRecord]
     """The arrays each node was sent (the attack's ``W0``)."""
+    model: ModelPlan | None = None
+    """The user's model, when the strategy was given one (pictures from features)."""
 
 
 def sample_replies(settings: AttackSettings, rng: random.Random, server_round: int,
@@ -153,14 +157,22 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
         g_state = {k: v.numpy() for k, v in sent.items()}
         n_state = {k: v.numpy() for k, v in returned.items()}
         layer = choose_layer(g_state, ctx.settings.weight_key, ctx.settings.bias_key)
-        note = facts.inputs_are
-        if not layer.first_is_linear:
-            note = (f"The attacked layer {layer.weight_key} is not the model's first layer: the "
-                    "reconstructions are its input features, not the raw inputs.")
-        facts = dataclasses.replace(facts, layer=layer.weight_key, layer_shape=list(layer.shape),
-                                    inputs_are=note)
+        plan = None if ctx.model is None else ctx.model.layer(layer.weight_key, g_state)
+        facts = dataclasses.replace(
+            facts, layer=layer.weight_key, layer_shape=list(layer.shape),
+            reads="inputs" if layer.first_is_linear else "features",
+            inputs_are=_what_is_read(layer, plan) or facts.inputs_are)
+        if plan is not None and plan.relu_after is False:
+            return facts, AttackOutcome(verdicts.NOT_COVERED, reason=(
+                f"the attacked layer {layer.weight_key.removesuffix('.weight')}'s output goes "
+                f"into {plan.after}, not "
+                "a ReLU: the sparsity this attack reads (and its certificate) needs a ReLU "
+                "right after the layer"))
         job = build_job(facts.server_round, facts.node_id, facts.client_label, g_state,
                         n_state, layer, ctx.settings)
+        if plan is not None and not layer.first_is_linear and ctx.model is not None:
+            job = dataclasses.replace(job, pixels=ctx.model.task(plan, g_state, n_state,
+                                                                ctx.settings.seed))
     except ValueError as exc:
         if "identically zero" in str(exc):
             return facts, AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
@@ -168,6 +180,24 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
     log.info("[audit] round %d, %s: attacking %s %s (read as %s)", facts.server_round,
              facts.client_label, layer.weight_key, layer.shape, " then ".join(job.readings))
     return facts, job
+
+
+def _what_is_read(layer: LayerChoice, plan: LayerPlan | None) -> str | None:
+    """The note on what the reconstructions are, for a layer that is not the model's first."""
+    if layer.first_is_linear:
+        return None
+    head = (f"The attacked layer {layer.weight_key.removesuffix('.weight')} is not the model's "
+            "first layer: what the attack recovers (and certifies) are its input features, not "
+            "the raw inputs.")
+    if plan is None:
+        return head + (" Pass the model to the audit (AuditingStrategy(..., model=Net)) to "
+                       "estimate pictures from them.")
+    if plan.error is not None or plan.input_shape is None:
+        why = plan.error or "its input shape could not be found (pass input_shape=(C, H, W))"
+        return head + f" No pictures: {why}."
+    return head + (" The pictures are estimated from them by feature inversion through the "
+                   "model's earlier layers (fl_attack.pixels): an approximation, scored "
+                   "separately.")
 
 
 def _same(a: ArrayRecord, b: ArrayRecord) -> bool:

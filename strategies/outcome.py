@@ -43,6 +43,9 @@ class AttackOutcome:
     ran_on
         Where the attack ran: ``"server"`` (inline), ``"pid:<pid>@<host>"`` (a worker
         process) or ``"ray-node:<node id>"`` (a Ray actor).
+    pixels
+        When the reconstructed inputs are features and the model is known: the pictures
+        estimated from them (a ``pixel_step.PixelOutcome``).
     """
 
     status: str
@@ -53,6 +56,7 @@ class AttackOutcome:
     inputs: np.ndarray | None = field(default=None, repr=False, compare=False)
     summary: Mapping[str, Any] | None = field(default=None, repr=False)
     ran_on: str | None = None
+    pixels: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:

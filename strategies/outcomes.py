@@ -11,7 +11,7 @@ import numpy as np
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.records import ClientAudit, Pictures
+from fl_attack_flwr.records import ClientAudit, Pictures, ReplyFacts
 from fl_attack_flwr.scoring import GroundTruth, InputView, score_images
 from fl_attack_flwr.settings import AttackSettings
 
@@ -30,12 +30,24 @@ def outcome_of(fut: Future[AttackOutcome]) -> AttackOutcome:
         return error_outcome(status, f"{type(exc).__name__}: {exc}")
 
 
-def pictures_of(inputs: np.ndarray, view: InputView, truth: GroundTruth | None,
-                sample_indices: list[int] | None) -> Pictures:
-    """Pictures of reconstructed ``inputs``; with ground truth, matched to the originals and
-    scored. Never raises: what could not be shown or scored is the pictures' ``error``."""
+def pictures_of(outcome: AttackOutcome, facts: ReplyFacts, view: InputView,
+                truth: GroundTruth | None) -> Pictures:
+    """Pictures of a reconstruction; with ground truth, matched to the originals and scored.
+
+    Inputs of the model's own input layer are shown as they are; features of a later layer
+    are shown as the pictures estimated from them (``outcome.pixels``), or as a table of
+    numbers when there are none (features and photos do not compare, so they are not scored).
+    Never raises: what could not be shown or scored is the pictures' ``error``.
+    """
+    px = outcome.pixels
+    if facts.reads == "features" and (px is None or px.images is None):
+        rows = Pictures(note="No pictures: these are features, shown as numbers.")
+        return rows if px is None or px.error is None else Pictures(note=rows.note,
+                                                                    error=px.error)
+    flat = outcome.inputs if facts.reads != "features" else px.images.reshape(
+        px.images.shape[0], -1)
     try:
-        images, inferred = view.images(inputs)
+        images, inferred = view.images(flat)
     except ValueError as exc:
         return Pictures(error=f"pictures: {exc}")
     if images is None:
@@ -43,15 +55,16 @@ def pictures_of(inputs: np.ndarray, view: InputView, truth: GroundTruth | None,
                              "shown as numbers.")
     note = (f"Input shape {images.shape[1:]} inferred from the layer's {images[0].size} "
             "inputs; pictures scaled per image.") if inferred else None
-    if truth is None or not sample_indices:
+    if truth is None or not facts.sample_indices:
         return Pictures(recon_images=images, note=note)
     try:
-        originals = truth.images(sample_indices)
+        originals = truth.images(facts.sample_indices)
         score = score_images(images, originals)
     except ValueError as exc:
         return Pictures(recon_images=images, note=note, error=f"scoring failed: {exc}")
     return Pictures(recon_images=score.matched, original_images=originals.numpy(),
                     matching=score.matching, psnr=score.psnr, psnr_mean=score.psnr_mean,
+                    ssim=score.ssim, ssim_mean=score.ssim_mean,
                     true_batch_size=int(originals.shape[0]), note=note)
 
 
@@ -59,6 +72,9 @@ def log_record(record: ClientAudit) -> None:
     """One line per finished record (round, client, status, λ, PSNR, seconds, why)."""
     lam = "" if record.sparsity_match is None else f", λ={record.sparsity_match:.4f}"
     psnr = "" if record.psnr_mean is None else f", PSNR {record.psnr_mean:.1f} dB"
+    if record.reads == "features" and record.reconstructed:
+        lam = f" ({str(record.layer).removesuffix('.weight')} input features){lam}"
+        psnr = psnr and f", pictures estimated: PSNR {record.psnr_mean:.1f} dB"
     secs = "" if record.attack_seconds is None else f", {record.attack_seconds:.1f}s"
     why = record.reason or record.error
     level = (logging.WARNING if record.status in (*verdicts.ERRORS, verdicts.CORRUPT)

@@ -58,6 +58,9 @@ class ReplyFacts:
     """A note on what the reconstructed inputs are (features of a later layer, an aggregate)."""
     guard: dict[str, Any] | None = None
     """The client's own ``LeakGuard`` finding, when its reply carries one (:func:`guard_of`)."""
+    reads: str | None = None
+    """What a reconstruction is: ``"inputs"`` (the model's own inputs: the attacked layer is
+    the first) or ``"features"`` (a later layer's inputs)."""
 
     @property
     def client_label(self) -> str:
@@ -75,6 +78,8 @@ class Pictures:
     matching: np.ndarray | None = field(default=None, repr=False)
     psnr: list[float] | None = None
     psnr_mean: float | None = None
+    ssim: list[float] | None = None
+    ssim_mean: float | None = None
     true_batch_size: int | None = None
     note: str | None = None
     """How the inputs were shown (not images; shape inferred)."""
@@ -115,6 +120,12 @@ class ClientAudit:
     ran_on: str | None = None
     psnr: list[float] | None = None
     psnr_mean: float | None = None
+    ssim: list[float] | None = None
+    ssim_mean: float | None = None
+    reads: str | None = None
+    pixels: dict[str, Any] | None = None
+    """For features (``reads == "features"``): the pixel step's facts (feature residual of the
+    pictures, seconds, terms used, budget, error); ``psnr`` / ``ssim`` then score the pictures."""
     epsilon: float | None = None
     epsilon_cumulative: float | None = None
     delta: float | None = None
@@ -148,12 +159,24 @@ class ClientAudit:
             "server_round", "partition_id", "node_id", "status", "reason", "error", "protocol",
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
-            "ran_on", "psnr_mean", "psnr", "epsilon", "epsilon_cumulative", "delta", "noise_std",
-            "guard", "attack",
+            "ran_on", "reads", "psnr_mean", "psnr", "ssim_mean", "ssim", "pixels", "epsilon",
+            "epsilon_cumulative", "delta", "noise_std", "guard", "attack",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
         return jsonable(line)
+
+
+def _pixel_facts(outcome: AttackOutcome) -> dict[str, Any] | None:
+    """The pixel step's facts for the record (no arrays)."""
+    px = outcome.pixels
+    if px is None:
+        return None
+    residual = px.feature_residual
+    return {"feature_residual": residual,
+            "feature_residual_mean": None if not residual else float(np.mean(residual)),
+            "seconds": px.seconds, "terms": list(px.terms),
+            "budget_exhausted": px.budget_exhausted, "error": px.error}
 
 
 def build_record(facts: ReplyFacts, outcome: AttackOutcome,
@@ -180,7 +203,8 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         sparsity_match=from_summary("sparsity_match", float),
         exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
-        psnr_mean=pics.psnr_mean,
+        psnr_mean=pics.psnr_mean, ssim=pics.ssim, ssim_mean=pics.ssim_mean, reads=facts.reads,
+        pixels=_pixel_facts(outcome),
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
         delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,

@@ -61,6 +61,8 @@ class AttackJob:
     readings: tuple[str, ...]
     invert_kwargs: dict[str, Any] = field(default_factory=dict)
     memory_limit_gb: float | None = None
+    pixels: Any = None
+    """A ``pixel_step.PixelTask`` when the reconstructed features are to become pictures."""
 
 
 def choose_layer(state: dict[str, np.ndarray], weight_key: str | None = None,

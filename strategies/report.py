@@ -1,10 +1,5 @@
-"""The audit's answer: summary statistics, the verdict in plain words, and the HTML report.
-
-:func:`summarize` reduces a run's records to the numbers of ``summary.json``; :func:`verdict`
-turns them into the sentence an auditor reads first ("the server reconstructed 6 of 6 client
-batches exactly ..."); :func:`render_report` writes one self-contained HTML page (pictures inline
-as data URIs) that explains how to read itself.
-"""
+"""The audit's HTML report: one self-contained page (pictures inline as data URIs) that opens
+with the verdict (:mod:`fl_attack_flwr.summary`) and explains how to read itself."""
 
 from __future__ import annotations
 
@@ -12,24 +7,16 @@ import base64
 import html
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.pictures import image_grid, png_bytes
-from fl_attack_flwr.private_files import jsonable
 from fl_attack_flwr.records import ClientAudit
+from fl_attack_flwr.summary import EXACT_DB, READABLE_DB
 
-__all__ = ["EXACT_DB", "READABLE_DB", "STYLE", "accountant_notes", "config_notes", "figure_png",
-           "fmt", "html_table", "inline_png", "render_report", "strategy_notes", "summarize",
-           "verdict"]
-
-EXACT_DB = 90.0
-"""PSNR above which a reconstruction is exact to float precision (the papers' threshold)."""
-READABLE_DB = 25.0
-"""PSNR above which a reconstructed image is recognisable (the SPEAR papers' DP threshold)."""
+__all__ = ["STYLE", "figure_png", "fmt", "html_table", "inline_png", "render_report"]
 
 STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
     "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
@@ -45,153 +32,6 @@ STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
     ".facts{font-size:.8em;margin-top:.4em;color:#444}"
     "dt{font-weight:bold;margin-top:.5em}dd{margin-left:1.5em}"
 )
-
-
-def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, Any]],
-              config: Mapping[str, Any], *, run_name: str, run_dir: Path | str,
-              wall_seconds: float) -> dict[str, Any]:
-    """Totals over a run (JSON-safe), with the verdict.
-
-    ``psnr_mean`` is ``None`` without ground truth; ``epsilon`` is the largest cumulative ε any
-    client reported (``None`` without DP).
-    """
-    count = {s: sum(1 for r in records if r.status == s) for s in verdicts.STATUSES}
-    rec = [r for r in records if r.reconstructed]
-    psnrs = [r.psnr_mean for r in rec if r.psnr_mean is not None and math.isfinite(r.psnr_mean)]
-    lams = [r.sparsity_match for r in rec if r.sparsity_match is not None]
-    eps = [r.epsilon_cumulative if r.epsilon_cumulative is not None else r.epsilon
-           for r in records]
-    eps = [e for e in eps if e is not None]
-    deltas = [r.delta for r in records if r.delta is not None]
-    summary: dict[str, Any] = {
-        "run_name": run_name, "run_dir": str(run_dir),
-        "rounds": len({r.server_round for r in records} | set(rounds)),
-        "clients": len({r.client_label for r in records}),
-        "replies": len(records),
-        "attacked": len(rec) + count[verdicts.PROTECTED] + sum(count[s] for s in verdicts.ERRORS),
-        "reconstructions": len(rec),
-        "certified": count[verdicts.CERTIFIED],
-        "not_certified": count[verdicts.NOT_CERTIFIED],
-        "partial": count[verdicts.PARTIAL],
-        "protected": count[verdicts.PROTECTED],
-        "refused": count[verdicts.REFUSED],
-        "guarded": sum(1 for r in records if r.guard is not None),
-        "skipped": count[verdicts.SKIPPED],
-        "attack_failures": sum(count[s] for s in verdicts.ERRORS),
-        "corrupt_replies": count[verdicts.CORRUPT],
-        "client_errors": count[verdicts.CLIENT_ERROR],
-        "no_update": count[verdicts.NO_UPDATE],
-        "statuses": {s: n for s, n in count.items() if n},
-        "readable": sum(1 for p in psnrs if p > READABLE_DB),
-        "certified_or_readable": sum(1 for r in rec if r.status == verdicts.CERTIFIED or (
-            r.psnr_mean is not None and r.psnr_mean > READABLE_DB)),
-        "exact_by_psnr": sum(1 for p in psnrs if p > EXACT_DB),
-        "scored": len(psnrs),
-        "psnr_mean": float(np.mean(psnrs)) if psnrs else None,
-        "psnr_min": float(np.min(psnrs)) if psnrs else None,
-        "lambda_mean": float(np.mean(lams)) if lams else None,
-        "attack_seconds_total": float(sum(r.attack_seconds or 0.0 for r in records)),
-        "epsilon": max(eps) if eps else None,
-        "delta": max(deltas) if deltas else None,
-        "protocol": config.get("protocol"),
-        "dataset": config.get("dataset"),
-        "wall_seconds": wall_seconds,
-        "per_round": {str(k): dict(v) for k, v in sorted(rounds.items())},
-        "report": str(Path(run_dir) / "report.html"),
-    }
-    summary["verdict"], summary["verdict_level"] = verdict(summary)
-    summary["notes"] = config_notes(config)
-    return jsonable(summary)
-
-
-def strategy_notes(strategy: object) -> list[str]:
-    """Warnings about the audited strategy itself (Flower's central DP wrappers)."""
-    name = type(strategy).__name__
-    if not name.startswith("DifferentialPrivacy"):
-        return []
-    return [f"Central DP ({name}) clips and noises the aggregate only: the server still "
-            "receives every client's update, and this audit attacked those. Only noise added "
-            "on the client (LocalDpMod, DP-SGD) reaches what the server sees."]
-
-
-def accountant_notes(strategy: object) -> list[str]:
-    """The ε a wrapped Flower central-DP strategy reports from its own accountant (its
-    ``privacy_spent()``, given ``accountant=``), naming the accountant."""
-    spent_of = getattr(strategy, "privacy_spent", None)
-    spent = spent_of() if callable(spent_of) else None
-    if spent is None:
-        return []
-    return [f"{type(strategy).__name__} reports ε = {spent.epsilon:.3g} at δ = {spent.delta:g} "
-            f"after {spent.num_releases} release(s) (Flower's accountant, "
-            f"{spent.accounting_method.upper()}): a client-level guarantee for the noised "
-            "aggregate, not for the individual updates this audit read."]
-
-
-def config_notes(config: Mapping[str, Any]) -> list[str]:
-    """Warnings an auditor needs about the configuration itself."""
-    notes = []
-    if config.get("protocol") == "dpsgd" and not config.get("noise-multiplier"):
-        notes.append("DP-SGD with noise multiplier 0 is clipping only: ε = ∞, no privacy "
-                     "guarantee (set noise-multiplier > 0).")
-    return notes
-
-
-def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
-    """``(sentence, level)`` answering "can the server read the clients' data?".
-
-    ``level`` is ``"leak"`` (some batch certified or readable), ``"some"`` (reconstructions
-    without certificate or ground truth), ``"safe"`` (every attacked update protected) or
-    ``"none"`` (nothing was attacked to the end).
-    """
-    attacked, cert, prot = s["attacked"], s["certified"], s["protected"]
-    answered = s["reconstructions"] + prot
-    parts: list[str] = []
-    refused = s.get("refused", 0)
-    if refused:
-        parts.append(f"{refused} client{' refused' if refused == 1 else 's refused'} to send a "
-                     "readable update: the client's own LeakGuard proved it readable and "
-                     "withheld it.")
-    if attacked == 0:
-        if refused:
-            return " ".join(parts) + " No other update was attacked.", "safe"
-        return ("No update was attacked: there is no answer in this run "
-                f"({_status_list(s)}).", "none")
-    if cert:
-        which = "that batch" if cert == 1 else "those batches"
-        parts.append(f"The server reconstructed {cert} of {attacked} client batches exactly "
-                     f"(certified): every sample of {which} is readable.")
-    uncert = s["not_certified"] + s["partial"]
-    if uncert:
-        if s["scored"]:
-            parts.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
-                         f"without a certificate; {s['readable']} of the {s['scored']} scored "
-                         f"reconstructions are recognisable (PSNR > {READABLE_DB:.0f} dB).")
-        else:
-            parts.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
-                         "without a certificate (no ground truth to say how close).")
-    if prot:
-        parts.append(f"{prot} of {attacked} {'update was' if prot == 1 else 'updates were'} "
-                     "protected: the attack could not read the batch.")
-    if s["attack_failures"]:
-        parts.append(f"{s['attack_failures']} attack(s) gave no answer ({_status_list(s)}).")
-    leaked = cert or (s["readable"] if s["scored"] else 0)
-    if leaked:
-        level = "leak"
-    elif answered and prot == answered:
-        level = "safe"
-        parts.insert(0, "Protected: the server could not read any attacked client's batch.")
-    elif answered:
-        level = "some"
-    else:
-        level = "none"
-    return " ".join(parts), level
-
-
-def _status_list(s: Mapping[str, Any]) -> str:
-    return ", ".join(f"{n} {k}" for k, n in s["statuses"].items()) or "no replies"
-
-
-# --------------------------------------------------------------------------- HTML
 
 
 def _esc(v: Any) -> str:
@@ -253,11 +93,33 @@ def _explanations(records: Sequence[ClientAudit]) -> str:
         "The server computes it without any ground truth.</dd>"
         "<dt>Certified exact</dt><dd>λ = 1 with every direction of the batch found and no noise "
         "on the update: the reconstruction is then exact, proven from the update alone.</dd>"
-        f"<dt>PSNR</dt><dd>Similarity to the client's true samples (audit mode only): above "
-        f"{EXACT_DB:.0f} dB the reconstruction is exact to float precision; above "
-        f"{READABLE_DB:.0f} dB an image is recognisable; below about 15 dB it is noise.</dd>"
+        f"<dt>PSNR, SSIM</dt><dd>Similarity to the client's true samples (audit mode only): "
+        f"above {EXACT_DB:.0f} dB the reconstruction is exact to float precision; above "
+        f"{READABLE_DB:.0f} dB an image is recognisable (readable); below about 15 dB it is "
+        "noise. SSIM (structural similarity, 1 = identical) is given beside it.</dd>"
+        f"{_features_words(records)}"
         f"{dp}{legend}</dl><details><summary>Other statuses</summary><dl>{others}</dl></details>"
     )
+
+
+def _features_words(records: Sequence[ClientAudit]) -> str:
+    """Definitions for runs whose attacked layer is not the model's first."""
+    if not any(r.reads == "features" for r in records):
+        return ""
+    return (
+        "<dt>Features</dt><dd>Where the attacked layer is not the model's first (a CNN's first "
+        "linear layer), the attack recovers that layer's inputs: the features the model "
+        "computes from each sample, not the sample. Certified features are exact, proven "
+        "from the update alone. Exact features tell an attacker what the model makes of each "
+        "sample (its class, the attributes the features encode) and let it match them "
+        "against candidate images or train an inversion on similar data, even where the "
+        "pictures below stay blurry.</dd>"
+        "<dt>Pictures from features</dt><dd>Estimated by feature inversion through the "
+        "model's earlier layers (the server sent their weights; each sample's gradient into "
+        "them is known from the exact features): an approximation, never certified. With "
+        f"ground truth they are scored (readable above {READABLE_DB:.0f} dB PSNR); without "
+        "it, the feature residual says how well the pictures' own features match the "
+        "recovered ones (0% is a perfect fit, not a perfect picture).</dd>")
 
 
 def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
@@ -351,7 +213,10 @@ def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
 def _clients_section(records: Sequence[ClientAudit]) -> str:
     dp = _reports_dp(records)
     guarded = any(r.guard is not None for r in records)
-    header = ["round", "client", "status", "why", "read as", "B", "λ", "PSNR [dB]", "attack s"]
+    features = any(r.reads == "features" for r in records)
+    header = ["round", "client", "status", "why", "read as", "B", "λ", "PSNR [dB]", "SSIM",
+              "attack s"]
+    header += ["what was read"] if features else []
     header += ["ε (round)", "ε (cumul.)", "δ"] if dp else []
     header += ["client's LeakGuard"] if guarded else []
     rows = []
@@ -360,7 +225,9 @@ def _clients_section(records: Sequence[ClientAudit]) -> str:
         row = [fmt(r.server_round), _esc(r.client_label), f"<span class='st'>{_esc(r.status)}"
                "</span>", f"<span class='{'err' if r.error else ''}'>{_esc(why)}</span>",
                fmt(r.reading), fmt(r.batch_size), fmt(r.sparsity_match, 4), fmt(r.psnr_mean, 1),
-               fmt(r.attack_seconds, 1)]
+               fmt(r.ssim_mean, 3), fmt(r.attack_seconds, 1)]
+        if features:
+            row.append(_esc(_what_was_read(r)))
         if dp:
             row += [fmt(r.epsilon), fmt(r.epsilon_cumulative), fmt(r.delta)]
         if guarded:
@@ -368,6 +235,25 @@ def _clients_section(records: Sequence[ClientAudit]) -> str:
         rows.append(row)
     left = (1, 2, 3, 4, len(header) - 1) if guarded else (1, 2, 3, 4)
     return "<h2>Clients</h2>" + html_table(header, rows, left=left)
+
+
+def _layer(r: ClientAudit) -> str:
+    return str(r.layer).removesuffix(".weight")
+
+
+def _what_was_read(r: ClientAudit) -> str:
+    """Features (certified or not) and the pictures estimated from them, in a few words."""
+    if r.reads != "features" or not r.reconstructed:
+        return "–" if r.reads != "features" else f"{_layer(r)} input features"
+    words = [f"{_layer(r)} input features" + (" (exact)" if r.status == "certified" else "")]
+    px = r.pixels or {}
+    if px.get("error"):
+        words.append(f"no pictures ({px['error']})")
+    elif px:
+        words.append("pictures estimated (PSNR/SSIM are theirs)" if r.psnr_mean is not None
+                     else f"pictures estimated, feature residual "
+                          f"{100 * (px.get('feature_residual_mean') or 0):.1f}%")
+    return "; ".join(words)
 
 
 def _guard_words(guard: Mapping[str, Any] | None) -> str:
@@ -396,23 +282,41 @@ def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") 
         out.append("<p>Left: what the server reconstructed from the client's update alone. "
                    "Right: the client's true batch (audit ground truth), in the same order.</p>")
     for r in shown:
-        stats = [f"B = {r.batch_size}", f"λ = {fmt(r.sparsity_match, 4)}", r.status]
-        if r.psnr_mean is not None:
-            stats.append(f"PSNR = {fmt(r.psnr_mean, 1)} dB")
         out.append(f"<h3>Round {r.server_round}, {_esc(r.client_label)}</h3>"
-                   f"<p>{_esc(', '.join(stats))}</p>")
+                   f"<p>{_esc(', '.join(_stats(r)))}</p>")
         if r.inputs_are:
             out.append(f"<p><i>{_esc(r.inputs_are)}</i></p>")
         if r.recon_images is None:
             out.append(_rows_table(np.asarray(r.inputs)))
             continue
+        what = "pictures estimated from the features" if r.reads == "features" else \
+            "reconstruction"
         out.append("<div class='pair'><div>" + inline_png(png_bytes(image_grid(r.recon_images)),
-                                                     "reconstruction") + "<br>reconstruction</div>")
+                                                     "reconstruction") + f"<br>{what}</div>")
         if r.original_images is not None:
             out.append("<div>" + inline_png(png_bytes(image_grid(r.original_images)), "original")
                        + "<br>original</div>")
         out.append("</div>")
     return "".join(out)
+
+
+def _stats(r: ClientAudit) -> list[str]:
+    """The facts printed over one client's pictures."""
+    if r.reads == "features":
+        stats = [f"B = {r.batch_size}", f"λ = {fmt(r.sparsity_match, 4)}",
+                 f"{_layer(r)} input features {r.status}"]
+        px = r.pixels or {}
+        if r.psnr_mean is not None:
+            stats.append(f"pictures: PSNR = {fmt(r.psnr_mean, 1)} dB, SSIM = "
+                         f"{fmt(r.ssim_mean, 3)} (estimated, not certified)")
+        elif px.get("feature_residual_mean") is not None:
+            stats.append(f"pictures: feature residual {100 * px['feature_residual_mean']:.1f}% "
+                         "(estimated, not certified; no ground truth)")
+        return stats
+    stats = [f"B = {r.batch_size}", f"λ = {fmt(r.sparsity_match, 4)}", r.status]
+    if r.psnr_mean is not None:
+        stats.append(f"PSNR = {fmt(r.psnr_mean, 1)} dB")
+    return stats
 
 
 def _rows_table(x: np.ndarray, max_rows: int = 8, max_cols: int = 12) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "attack_settings",
     "check_run_config",
     "parse_attack_options",
+    "model_factory",
     "parse_resources",
     "resolve_run_config",
     "shard_sizes",
@@ -65,6 +66,8 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "audit-memory-gb": 0.0,
     "audit-ray-address": "",
     "audit-ray-resources": "",
+    "audit-model": "",
+    "audit-pixel-seconds": 60.0,
     "node-wait": 120.0,
     "output-dir": "runs",
     "run-name": "",
@@ -157,6 +160,25 @@ def attack_settings(cfg: Mapping[str, Any]) -> AttackSettings:
         ray_resources=parse_resources(str(cfg["audit-ray-resources"])),
         sample_seed=int(cfg["attack-seed"]),
     )
+
+
+def model_factory(spec: str) -> Any:
+    """``"package.module:Name"`` -> the object it names (the clients' model class or a
+    factory), ``None`` for ``""``; ``ValueError`` naming what cannot be imported."""
+    if not spec:
+        return None
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{spec!r} is not 'package.module:Name'")
+    import importlib
+
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is not a class or factory")
+    return obj
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -269,6 +291,7 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("audit-niceness", 0 <= cfg["audit-niceness"] <= 19, "in 0..19 (Unix niceness)"),
         ("node-wait", cfg["node-wait"] > 0, "> 0 seconds"),
         ("retain-rounds", cfg["retain-rounds"] >= 0, ">= 0 (0 = keep every round)"),
+        ("audit-pixel-seconds", cfg["audit-pixel-seconds"] > 0, "> 0"),
         ("fail-on", cfg["fail-on"] in FAIL_ON, f"one of {[f for f in FAIL_ON if f]} or empty"),
         ("leak-guard", cfg["leak-guard"] in ("", *POLICIES),
          f"one of {list(POLICIES)} or empty (no guard)"),
@@ -279,7 +302,7 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
     ]
     problems = [f"{key} must be {want}, got {cfg[key]!r}" for key, ok, want in rules if not ok]
     for key, check in (("inject-faults", parse_faults), ("audit-rounds", RoundFilter),
-                       ("audit-ray-resources", parse_resources)):
+                       ("audit-ray-resources", parse_resources), ("audit-model", model_factory)):
         try:
             check(str(cfg[key]))
         except ValueError as exc:

@@ -85,9 +85,17 @@ def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
         return error_outcome(status, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
     summary = rec.as_dict()
     status, reason = verdicts.reconstruction_verdict(summary)
+    inputs = rec.inputs.detach().cpu().double().numpy()
+    pixels = None
+    if job.pixels is not None and rec.n_directions == rec.batch_size:
+        from fl_attack_flwr.pixel_step import run_pixels
+
+        # each sample's upstream gradient is known for one gradient step only
+        pixels = run_pixels(job.pixels, inputs,
+                            job.weight_grad if reading == "gradient" else None, job.weight)
     return AttackOutcome(status, reason=reason, reading=reading,
-                         seconds=time.perf_counter() - t0,
-                         inputs=rec.inputs.detach().cpu().double().numpy(), summary=summary)
+                         seconds=time.perf_counter() - t0, inputs=inputs, summary=summary,
+                         pixels=pixels)
 
 
 _OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memory")

@@ -67,6 +67,35 @@ class InputView:
                 return shape, False
         return infer_image_shape(n), True
 
+    def model_shape(self) -> tuple[int, int, int] | None:
+        """The model's input shape, when given or known from the dataset."""
+        if self.input_shape is not None:
+            return (int(self.input_shape[0]), int(self.input_shape[1]),
+                    int(self.input_shape[2]))
+        if self.dataset is not None:
+            from fl_attack.testbed.data import image_shape
+
+            return image_shape(self.dataset)
+        return None
+
+    def bounds(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-channel box that pixels in ``[0, 1]`` occupy in the model's input space, when
+        the normalisation is known as ``(mean, std)`` or from the dataset."""
+        if self.transform is not None and not callable(self.transform):
+            mean, std = (np.atleast_1d(np.asarray(list(v), dtype=np.float64))
+                         for v in self.transform)
+        elif self.transform is None and self.dataset is not None:
+            from fl_attack.testbed.data import normalize
+
+            shape = self.model_shape()
+            assert shape is not None
+            lo = normalize(torch.zeros(shape, dtype=torch.float64), self.dataset)
+            hi = normalize(torch.ones(shape, dtype=torch.float64), self.dataset)
+            return (tuple(float(v) for v in lo[:, 0, 0]), tuple(float(v) for v in hi[:, 0, 0]))
+        else:
+            return None
+        return (tuple(float(v) for v in -mean / std), tuple(float(v) for v in (1 - mean) / std))
+
     def images(self, inputs: np.ndarray) -> tuple[np.ndarray | None, bool]:
         """``((B, C, H, W) images in [0, 1] or None, shape inferred)`` of reconstructed inputs."""
         x = torch.as_tensor(np.array(inputs, dtype=np.float64))  # a writable copy
@@ -121,24 +150,28 @@ class GroundTruth:
 
 @dataclass
 class Score:
-    """Reconstructions matched to originals: per-original PSNR and the matched pictures."""
+    """Reconstructions matched to originals: per-original PSNR and SSIM, the matched pictures."""
 
     psnr: list[float]
     psnr_mean: float
     matching: np.ndarray
     matched: np.ndarray
     """``(B_true, C, H, W)``: each original's reconstruction (grey where none matched)."""
+    ssim: list[float]
+    ssim_mean: float
 
 
 def score_images(recon: np.ndarray, originals: torch.Tensor) -> Score:
-    """Match reconstructed to true images (Hungarian) and score them (PSNR, range [0, 1])."""
+    """Match reconstructed to true images (Hungarian) and score them (PSNR and SSIM, range
+    [0, 1])."""
     from fl_attack.testbed.metrics import score_batch
 
     rec = torch.as_tensor(recon, dtype=torch.float64)
     orig = originals.double()
-    score = score_batch(rec, orig, data_range=1.0)
+    score = score_batch(rec, orig, data_range=1.0, with_ssim=True)
     matched = np.full(tuple(orig.shape), 0.5)
     hit = score.perm >= 0
     matched[hit.numpy()] = rec[score.perm[hit]].numpy()
+    assert score.ssim is not None  # with_ssim
     return Score([float(v) for v in score.psnr], float(score.mean_psnr), score.perm.numpy(),
-                 matched)
+                 matched, [float(v) for v in score.ssim], float(score.ssim.mean()))

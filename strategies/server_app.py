@@ -35,6 +35,7 @@ from fl_attack_flwr.run_config import (
     RunConfigError,
     attack_settings,
     check_run_config,
+    model_factory,
     resolve_run_config,
 )
 from fl_attack_flwr.scoring import GroundTruth
@@ -98,7 +99,8 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         ground_truth=(GroundTruth(str(cfg["dataset"]), int(cfg["dataset-size"]) or None,
                                   seed=int(cfg["data-seed"])) if cfg["audit"] else None),
         dataset=str(cfg["dataset"]), protocol=str(cfg["protocol"]),
-        enabled=bool(cfg["audit-enabled"]))
+        model=model_factory(str(cfg["audit-model"])),
+        pixel_seconds=float(cfg["audit-pixel-seconds"]), enabled=bool(cfg["audit-enabled"]))
     try:
         result = strategy.start(grid=grid, initial_arrays=initial_arrays(cfg),
                                 num_rounds=int(cfg["num-server-rounds"]),

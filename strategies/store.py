@@ -48,7 +48,8 @@ from fl_attack_flwr.private_files import (
     records_from_jsonl,
 )
 from fl_attack_flwr.records import ClientAudit
-from fl_attack_flwr.report import render_report, summarize
+from fl_attack_flwr.report import render_report
+from fl_attack_flwr.summary import summarize
 
 __all__ = [
     "DIR_MODE",

@@ -16,6 +16,8 @@ answer, not as a crash report:
                     (it mixes at least min(m, n) samples, or noise hides every sample)
 ``refused``         the client's ``LeakGuard`` proved its update readable and withheld it: the
                     reply carries no update
+``not-covered``     the update is outside what this attack covers (``reason`` says which of its
+                    assumptions fails: a ReLU after the attacked layer, a sum of gradient steps)
 ``no-update``       the client sent back the global model unchanged: nothing to attack
 ``skipped``         not attacked by the audit's sampling (``reason`` says which rule)
 ``corrupt``         the reply cannot be aggregated (NaN, wrong shapes, ...): withheld
@@ -46,6 +48,7 @@ NOT_CERTIFIED = "not-certified"
 PARTIAL = "partial"
 PROTECTED = "protected"
 REFUSED = "refused"
+NOT_COVERED = "not-covered"
 NO_UPDATE = "no-update"
 SKIPPED = "skipped"
 CORRUPT = "corrupt"
@@ -61,8 +64,8 @@ PENDING = "pending"
 RECONSTRUCTED = (CERTIFIED, NOT_CERTIFIED, PARTIAL)
 #: Statuses in which the audit, not the client, failed to give an answer.
 ERRORS = (TIMEOUT, OUT_OF_MEMORY, WORKER_DIED, UNFINISHED, ATTACK_ERROR)
-STATUSES = (*RECONSTRUCTED, PROTECTED, REFUSED, NO_UPDATE, SKIPPED, CORRUPT, CLIENT_ERROR,
-            *ERRORS, PENDING)
+STATUSES = (*RECONSTRUCTED, PROTECTED, REFUSED, NOT_COVERED, NO_UPDATE, SKIPPED, CORRUPT,
+            CLIENT_ERROR, *ERRORS, PENDING)
 
 #: One line of plain words per status, for the report's legend.
 MEANINGS: dict[str, str] = {
@@ -73,6 +76,7 @@ MEANINGS: dict[str, str] = {
     PARTIAL: "the server found only some of the batch's directions: no sample is guaranteed",
     PROTECTED: "this update does not reveal its batch to the attack",
     REFUSED: "the client's LeakGuard proved its update readable and did not send it",
+    NOT_COVERED: "the update is outside what this attack covers: no answer either way",
     NO_UPDATE: "the client sent back the global model unchanged: nothing to attack",
     SKIPPED: "not attacked (the audit samples replies)",
     CORRUPT: "the reply could not be aggregated and was withheld from the model",

@@ -192,7 +192,7 @@ def test_jsonable_and_image_grid() -> None:
 
 
 def _summary_of(records: list[ClientAudit]) -> dict:
-    from fl_attack_flwr.report import summarize
+    from fl_attack_flwr.summary import summarize
 
     return summarize(records, {}, {}, run_name="r", run_dir="/x", wall_seconds=1.0)
 
@@ -207,7 +207,9 @@ def test_the_verdict_answers_the_auditors_question() -> None:
                              reason="the update mixes at least min(m, n) = 100 samples")
                  for k in range(3)]
     safe = _summary_of(protected)
-    assert safe["verdict_level"] == "safe" and safe["verdict"].startswith("Protected")
+    assert safe["verdict_level"] == "safe"
+    assert safe["verdict"].startswith("The attack could not read any attacked client's batch")
+    assert "mix more samples than the attacked layer can separate" in safe["verdict"]
     assert safe["protected"] == 3 and safe["attack_failures"] == 0
 
     mixed = _summary_of([_record(1, 0, gt=True, rng=rng), *protected[:2],

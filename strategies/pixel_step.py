@@ -1,0 +1,213 @@
+"""From exact features to pictures inside an attack job (SPEAR §6.4, ``fl_attack.pixels``).
+
+When the attacked layer is not the model's first (a CNN's first linear layer), SPEAR recovers
+that layer's *input features*, exactly and with the same certificate; pictures need the layers
+before it. Given the user's model (``AuditingStrategy(..., model=Net)``), the intake builds a
+:class:`PixelTask` into the job: the model and the weights the server sent it (so the server can
+run the layers before the attacked one), the update of those layers, the input shape and the
+box the normalisation puts pixels in. After the attack, :func:`run_pixels` inverts the
+recovered features into images with :func:`fl_attack.pixels.invert_features`, using each
+sample's gradient flowing back into those layers (from the exact ∂L/∂Z) where the update is one
+gradient step. The pixels are an estimate: the report says what is exact (features) and what
+is not (pixels).
+
+Only plain data and the model travel in the job (the model must pickle: a class importable in
+the worker, as Flower apps' models are).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LayerPlan", "ModelPlan", "PixelOutcome", "PixelTask", "load_model",
+           "model_input_shape", "pixel_task", "run_pixels"]
+
+#: Image sizes tried when the model's input shape is neither given nor known from a dataset.
+_SIDES = (32, 28, 64, 224, 96, 128, 16, 256)
+
+
+@dataclass(frozen=True)
+class PixelTask:
+    """What the pixel step needs besides the recovered features."""
+
+    model: Any = field(repr=False)
+    """An ``nn.Module`` (copied, then loaded with :attr:`sent`) or a zero-argument factory."""
+    sent: dict[str, np.ndarray] = field(repr=False)
+    """Every array the server sent the client (the weights the client started from)."""
+    updates: dict[str, np.ndarray] = field(repr=False)
+    """``W0 - W_E`` of the parameters used before the attacked layer, by state-dict name."""
+    weight_key: str
+    input_shape: tuple[int, int, int]
+    bounds: tuple[tuple[float, ...], tuple[float, ...]]
+    """Per-channel box ``(lo, hi)`` that pixels in ``[0, 1]`` occupy in the model's input space."""
+    max_seconds: float = 60.0
+    restarts: int = 4
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PixelOutcome:
+    """The pixel step's result: images in the model's input space, and how well they fit."""
+
+    images: np.ndarray | None = field(default=None, repr=False)
+    """``(B, C, H, W)``, rows in the order of the recovered features."""
+    feature_residual: list[float] | None = None
+    """Per sample ``‖f(x̂) − F‖ / ‖F‖``: how well the pictures' own features match the
+    recovered ones (no ground truth needed; 0 is a perfect fit, not a perfect picture)."""
+    seconds: float = 0.0
+    terms: tuple[str, ...] = ()
+    budget_exhausted: bool = False
+    error: str | None = None
+
+
+def load_model(spec: Any, state: Mapping[str, np.ndarray]) -> Any:
+    """A fresh model of ``spec`` (instance or factory) holding the weights ``state``."""
+    import torch
+
+    model = copy.deepcopy(spec) if isinstance(spec, torch.nn.Module) else spec()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be an nn.Module or build one, got {type(model).__name__}")
+    tensors = {k: torch.as_tensor(np.array(v)) for k, v in state.items()}
+    model.load_state_dict(tensors, strict=True)
+    return model.float().eval()
+
+
+def model_input_shape(model: Any, weight_key: str, in_features: int,
+                      channels: int | None = None) -> tuple[int, int, int] | None:
+    """The square image shape whose forward pass gives the attacked layer ``in_features``
+    inputs per sample (tried on common sizes; ``None`` when none fits)."""
+    import torch
+
+    from fl_attack.split import feature_extractor
+
+    if channels is None:
+        conv = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+        channels = 3 if conv is None else int(conv.in_channels)
+    extract = feature_extractor(model, weight_key)
+    for side in _SIDES:
+        try:
+            with torch.no_grad():
+                n = extract(torch.zeros(1, channels, side, side)).shape
+        except (RuntimeError, ValueError):
+            continue
+        if tuple(n) == (1, in_features):
+            return channels, side, side
+    return None
+
+
+def pixel_task(spec: Any, sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
+               weight_key: str, input_shape: tuple[int, int, int],
+               bounds: tuple[tuple[float, ...], tuple[float, ...]], *, max_seconds: float,
+               seed: int) -> PixelTask:
+    """The job's pixel task: the update of every float array the model uses before the
+    attacked layer (by state-dict order) goes with it."""
+    keys = list(sent)
+    before = keys[: keys.index(weight_key)]
+    updates = {k: np.asarray(sent[k], np.float64) - np.asarray(returned[k], np.float64)
+               for k in before if np.issubdtype(np.asarray(sent[k]).dtype, np.floating)
+               and np.ndim(sent[k]) >= 1}
+    return PixelTask(spec, {k: np.array(v) for k, v in sent.items()}, updates, weight_key,
+                     tuple(int(s) for s in input_shape), bounds, float(max_seconds),
+                     seed=int(seed))
+
+
+def run_pixels(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | None,
+               weight: np.ndarray) -> PixelOutcome:
+    """Invert ``features`` (B, n) into images; ``weight_grad`` (the attacked layer's update,
+    one gradient step) adds each sample's known upstream gradient, ``None`` leaves it out.
+    Never raises: a failure is the outcome's ``error``."""
+    t0 = time.perf_counter()
+    try:
+        return _invert(task, features, weight_grad, weight, t0)
+    except Exception as exc:  # noqa: BLE001 - pixels are an extra; the features stand
+        return PixelOutcome(seconds=time.perf_counter() - t0,
+                            error=f"pixels: {type(exc).__name__}: {exc}")
+
+
+def _invert(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | None,
+            weight: np.ndarray, t0: float) -> PixelOutcome:
+    import torch
+
+    from fl_attack.pixels import feature_gradients, invert_features
+    from fl_attack.split import feature_extractor
+
+    model = load_model(task.model, task.sent)
+    extractor = feature_extractor(model, task.weight_key)
+    params = dict(model.named_parameters())
+    grads = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in task.updates.items()
+             if k in params}
+    upstream = None
+    if weight_grad is not None and grads:
+        upstream = feature_gradients(weight_grad, features, weight).float()
+    left = max(task.max_seconds - (time.perf_counter() - t0), 1.0)
+    rec = invert_features(
+        torch.as_tensor(features, dtype=torch.float32), extractor,
+        input_shape=task.input_shape, bounds=task.bounds, upstream=upstream,
+        param_grads=grads if upstream is not None else None, max_seconds=left,
+        restarts=task.restarts, seed=task.seed, device="cpu")
+    return PixelOutcome(rec.images.double().numpy(),
+                        [float(v) for v in rec.feature_residual.sqrt()],
+                        time.perf_counter() - t0, tuple(rec.terms), bool(rec.budget_exhausted))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the server knows about the attacked layer from the user's model."""
+
+    weight_key: str
+    relu_after: bool | None
+    """The layer's output goes straight into a ReLU (``None``: the model did not trace)."""
+    after: str | None
+    norm_before: bool | None
+    input_shape: tuple[int, int, int] | None
+    """The model's input shape (given, or found by :func:`model_input_shape`)."""
+    error: str | None = None
+    """Why the model could not be used (it does not load the sent weights, ...)."""
+
+
+class ModelPlan:
+    """The user's model, read once per attacked layer (the layer's surroundings, the input
+    shape), and the pixel tasks of the jobs that attack it."""
+
+    def __init__(self, spec: Any, *, input_shape: tuple[int, int, int] | None,
+                 bounds: tuple[tuple[float, ...], tuple[float, ...]] | None,
+                 max_seconds: float = 60.0) -> None:
+        self.spec, self.input_shape, self.bounds = spec, input_shape, bounds
+        self.max_seconds = float(max_seconds)
+        self._layers: dict[str, LayerPlan] = {}
+
+    def layer(self, weight_key: str, sent: Mapping[str, np.ndarray]) -> LayerPlan:
+        """The plan of the layer ``weight_key`` (cached)."""
+        if weight_key not in self._layers:
+            self._layers[weight_key] = self._read(weight_key, sent)
+        return self._layers[weight_key]
+
+    def _read(self, weight_key: str, sent: Mapping[str, np.ndarray]) -> LayerPlan:
+        from fl_attack.split import layer_context
+
+        try:
+            model = load_model(self.spec, sent)
+            ctx = layer_context(model, weight_key)
+            n = int(np.shape(sent[weight_key])[1])
+            shape = self.input_shape or model_input_shape(model, weight_key, n)
+        except Exception as exc:  # noqa: BLE001 - a model that does not fit is reported
+            return LayerPlan(weight_key, None, None, None, None,
+                             error=f"the model given to the audit does not fit the update: "
+                                   f"{type(exc).__name__}: {exc}")
+        return LayerPlan(weight_key, ctx.relu_after, ctx.after, ctx.norm_before, shape)
+
+    def task(self, plan: LayerPlan, sent: Mapping[str, np.ndarray],
+             returned: Mapping[str, np.ndarray], seed: int) -> PixelTask | None:
+        """The pixel task of one job (``None`` when the input shape is unknown)."""
+        if plan.input_shape is None or plan.error is not None:
+            return None
+        channels = plan.input_shape[0]
+        bounds = self.bounds or ((-3.0,) * channels, (3.0,) * channels)
+        return pixel_task(self.spec, sent, returned, plan.weight_key, plan.input_shape,
+                          bounds, max_seconds=self.max_seconds, seed=seed)
