@@ -36,7 +36,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.background import InFlight
+from fl_attack_flwr.background import InFlight, RoundTimes
 from fl_attack_flwr.executors import Executor, make_executor
 from fl_attack_flwr.intake import Intake, Work, aggregate_intake, reply_intake, sample_replies
 from fl_attack_flwr.outcome import AttackOutcome, error_outcome
@@ -126,8 +126,7 @@ class AuditingStrategy(WrappingStrategy):
         self.round_stats: dict[int, dict[str, Any]] = {}
         self._sent: dict[int, ArrayRecord] = {}
         self._current: ArrayRecord | None = None
-        self._round_started: dict[int, float] = {}
-        self._round_wall: dict[int, float | None] = {}
+        self._times = RoundTimes()
         self._labels: dict[int, str] = {}
         self._sampler = random.Random(attack.sample_seed)
         self._lock = threading.RLock()
@@ -158,7 +157,7 @@ class AuditingStrategy(WrappingStrategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Delegate, remembering which arrays each node is sent (the attack's ``W0``)."""
-        self._round_started[server_round] = time.perf_counter()
+        self._times.start(server_round)
         self._current = arrays
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         self._sent = {m.metadata.dst_node_id: next(iter(m.content.array_records.values()))
@@ -237,15 +236,11 @@ class AuditingStrategy(WrappingStrategy):
             for key, value in stats.items():
                 merged[key] = value
         else:
-            self._round_wall[server_round] = self._since_start(server_round)
+            self._times.aggregate_left(server_round)
             self._background(server_round, facts_of_round, futures, t0)
             merged["audit-replies"] = len(facts_of_round)
             merged["audit-submitted"] = len(futures)
         return arrays, merged
-
-    def _since_start(self, server_round: int) -> float | None:
-        started = self._round_started.get(server_round)
-        return None if started is None else time.perf_counter() - started
 
     def _submit(self, facts: ReplyFacts, work: Work, futures: Pending) -> None:
         """Hand an attack job to the executor, or finish the reply's record at once when there
@@ -305,9 +300,7 @@ class AuditingStrategy(WrappingStrategy):
             records = [self._done[f] for f in facts_of_round if f in self._done]
         stats = round_metrics(records, seconds) if self.enabled else {}
         info: dict[str, Any] = dict(stats)
-        done = self._since_start(server_round)
-        self._round_started.pop(server_round, None)
-        wall = self._round_wall.pop(server_round, done)  # background: when the aggregate left
+        wall, done = self._times.finish(server_round)
         if wall is not None:
             info["train-round-seconds"] = wall  # configure_train until the aggregate
             info["audit-done-seconds"] = done  # ... until the round's attacks were done

@@ -15,7 +15,7 @@ from typing import Any
 
 from fl_attack_flwr.outcome import AttackOutcome
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "RoundTimes"]
 
 Item = tuple[Any, Future[AttackOutcome]]
 
@@ -68,3 +68,30 @@ class InFlight:
             except Exception:  # noqa: BLE001 - a timeout: reported by the caller
                 pass
         return [record for record, fut in items if not fut.done()]
+
+
+class RoundTimes:
+    """When each round started (``configure_train``) and when its aggregate left."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+        self._left: dict[int, float | None] = {}
+
+    def start(self, server_round: int) -> None:
+        """The round is configured now."""
+        self._started[server_round] = time.perf_counter()
+
+    def aggregate_left(self, server_round: int) -> None:
+        """The round's aggregate was returned now (background mode, before its attacks end)."""
+        self._left[server_round] = self._since_start(server_round)
+
+    def finish(self, server_round: int) -> tuple[float | None, float | None]:
+        """``(train-round seconds, audit-done seconds)`` of a round whose attacks are done:
+        until its aggregate left (or now, in blocking mode), and until now."""
+        done = self._since_start(server_round)
+        self._started.pop(server_round, None)
+        return self._left.pop(server_round, done), done
+
+    def _since_start(self, server_round: int) -> float | None:
+        started = self._started.get(server_round)
+        return None if started is None else time.perf_counter() - started
