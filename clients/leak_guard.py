@@ -35,6 +35,7 @@ whether the update it checked carries noise (the attack's own noise test).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -234,7 +235,17 @@ def _attack(sent: Mapping[str, np.ndarray], reply: Message,
         if "identically zero" in str(exc):
             return AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
         raise
-    return run_job(job)
+    return run_job(dataclasses.replace(job, num_examples=_examples(reply)))
+
+
+def _examples(reply: Message) -> int | None:
+    """The samples the reply says the client trained on (``num-examples``), as the server
+    reads them."""
+    for record in reply.content.metric_records.values():
+        value = record.get(NUM_EXAMPLES_KEY)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
+            return int(value)
+    return None
 
 
 def _finding(outcome: AttackOutcome, seconds: float) -> GuardFinding:

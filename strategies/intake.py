@@ -170,6 +170,7 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
                 "right after the layer"))
         job = build_job(facts.server_round, facts.node_id, facts.client_label, g_state,
                         n_state, layer, ctx.settings)
+        job = dataclasses.replace(job, num_examples=facts.num_examples or None)
         if plan is not None and not layer.first_is_linear and ctx.model is not None:
             job = dataclasses.replace(job, pixels=ctx.model.task(plan, g_state, n_state,
                                                                 ctx.settings.seed))

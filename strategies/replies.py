@@ -63,6 +63,8 @@ class AttackJob:
     memory_limit_gb: float | None = None
     pixels: Any = None
     """A ``pixel_step.PixelTask`` when the reconstructed features are to become pictures."""
+    num_examples: int | None = None
+    """The samples the reply says the client trained on (an upper bound of the batch size)."""
 
 
 def choose_layer(state: dict[str, np.ndarray], weight_key: str | None = None,

@@ -13,6 +13,7 @@ import contextlib
 import resource
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.outcome import AttackOutcome, error_outcome
@@ -35,7 +36,7 @@ def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
         with _memory_cap(job.memory_limit_gb if in_worker else None):
             out = _attack_once(job, reading)
         if out.status == verdicts.PROTECTED:
-            best = out  # the rank does not depend on the reading: no other reading can do better
+            best = best or out  # the rank does not depend on the reading: no other can do better
             break
         if out.status in verdicts.ERRORS:
             first_error = first_error or out
@@ -58,21 +59,11 @@ def _rank(out: AttackOutcome) -> tuple[int, float]:
 
 
 def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
-    import torch
-
-    from fl_attack import invert
     from fl_attack.errors import NotIdentifiable
 
     t0 = time.perf_counter()
-    next_grad = job.next_weight_grad if reading == "gradient" else None
     try:
-        # torch.tensor copies: arrays that come through Ray's object store are read-only
-        rec = invert(
-            torch.tensor(job.weight_grad), torch.tensor(job.bias_grad),
-            weight=torch.tensor(job.weight), bias=torch.tensor(job.bias),
-            next_weight_grad=None if next_grad is None else torch.tensor(next_grad),
-            update=reading, **job.invert_kwargs,
-        )
+        rec, known = _invert_reading(job, reading)
     except NotIdentifiable as exc:
         return AttackOutcome(verdicts.PROTECTED,
                              reason=verdicts.protected_reason(exc.reason, exc.rank, exc.limit),
@@ -84,7 +75,11 @@ def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
         status = verdicts.OUT_OF_MEMORY if _is_oom(exc) else verdicts.ATTACK_ERROR
         return error_outcome(status, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
     summary = rec.as_dict()
+    if known is not None:
+        summary["batch_size_from"] = known
     status, reason = verdicts.reconstruction_verdict(summary)
+    if known is not None and status != verdicts.CERTIFIED:
+        reason = f"{known}; {reason}"
     inputs = rec.inputs.detach().cpu().double().numpy()
     pixels = None
     if job.pixels is not None and rec.n_directions == rec.batch_size:
@@ -96,6 +91,52 @@ def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
     return AttackOutcome(status, reason=reason, reading=reading,
                          seconds=time.perf_counter() - t0, inputs=inputs, summary=summary,
                          pixels=pixels)
+
+
+def _invert_reading(job: AttackJob, reading: str) -> tuple[Any, str | None]:
+    """``fl_attack.invert`` of the job under one reading, and what set B when not the spectrum.
+
+    The reply says how many samples the client trained on (``num-examples``), and an update
+    that is a sum of those samples' gradient steps has rank at most that many. When the
+    spectrum reads more (float32 rounding of ``W0 - W_E``, noise, an optimizer that rescales
+    gradients), or reads the full rank of the layer while the reply counts fewer samples, the
+    batch is attacked at the size the reply states, with the time left.
+    """
+    from fl_attack.errors import NotIdentifiable
+
+    t0 = time.perf_counter()
+    kwargs = dict(job.invert_kwargs)
+    limit = job.num_examples if "batch_size" not in kwargs else None
+    try:
+        rec = _invert(job, reading, kwargs)
+        if limit is None or rec.batch_size <= limit:
+            return rec, None
+        read = f"the spectrum reads B = {rec.batch_size}"
+    except NotIdentifiable as exc:
+        if exc.reason != "full-rank" or limit is None or limit >= exc.limit:
+            raise
+        read = f"the update has the layer's full numerical rank {exc.rank}"
+    budget = kwargs.get("max_seconds")
+    if budget is not None:
+        kwargs["max_seconds"] = max(float(budget) - (time.perf_counter() - t0), 0.25 * budget)
+    known = (f"{read}, more than the {limit} samples the reply reports (num-examples): "
+             f"rounding of the float32 weights, noise, or an optimizer that rescales the "
+             f"gradient fills the rest of the spectrum; attacked at B = {limit}")
+    return _invert(job, reading, {**kwargs, "batch_size": limit}), known
+
+
+def _invert(job: AttackJob, reading: str, kwargs: dict[str, Any]) -> Any:
+    import torch
+
+    from fl_attack import invert
+
+    next_grad = job.next_weight_grad if reading == "gradient" else None
+    # torch.tensor copies: arrays that come through Ray's object store are read-only
+    return invert(
+        torch.tensor(job.weight_grad), torch.tensor(job.bias_grad),
+        weight=torch.tensor(job.weight), bias=torch.tensor(job.bias),
+        next_weight_grad=None if next_grad is None else torch.tensor(next_grad),
+        update=reading, **kwargs)
 
 
 _OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memory")

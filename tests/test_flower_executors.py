@@ -223,3 +223,32 @@ def test_readings_are_tried_until_one_is_certified_and_the_best_is_kept(
     auto = AttackJob(**{**job.__dict__, "readings": ("gradient", "fedavg")})
     out = run_job(auto)
     assert out.reading == want and calls == tried
+
+
+def test_the_batch_size_is_read_against_the_replys_num_examples(
+        job: AttackJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update of N samples has rank at most N: when the spectrum reads more, or the full
+    rank of the layer, the attack runs again at the N the reply reports, and says why."""
+    from fl_attack.errors import NotIdentifiable
+    from fl_attack_flwr import running
+
+    calls: list[dict] = []
+    real = running._invert
+
+    def fake_invert(job_, reading, kwargs):
+        calls.append(kwargs)
+        if "batch_size" not in kwargs:
+            raise NotIdentifiable("full rank", reason="full-rank", rank=100, limit=100)
+        return real(job_, reading, kwargs)
+
+    monkeypatch.setattr(running, "_invert", fake_invert)
+    told = dataclasses.replace(job, num_examples=B, readings=("gradient",),
+                               invert_kwargs={**job.invert_kwargs, "max_seconds": 5.0})
+    out = run_job(told)
+    assert [c.get("batch_size") for c in calls] == [None, B]
+    assert out.status in verdicts.RECONSTRUCTED and out.summary["batch_size"] == B
+    assert "more than the 8 samples the reply reports" in out.summary["batch_size_from"]
+    calls.clear()
+    # a reply that counts as many samples as the layer has units: the full rank is the truth
+    assert run_job(dataclasses.replace(told, num_examples=100)).status == verdicts.PROTECTED
+    assert [c.get("batch_size") for c in calls] == [None]

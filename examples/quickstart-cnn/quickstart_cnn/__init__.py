@@ -1,0 +1,1 @@
+"""Flower's quickstart CNN, audited by fl-attack."""
