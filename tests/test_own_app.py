@@ -128,3 +128,58 @@ def test_the_plugin_import_cannot_collide_with_a_users_packages(tmp_path: Path) 
         for init in (ROOT / src).rglob("__init__.py"):
             rel = init.relative_to(ROOT / src)
             assert (site / dst / rel).is_file(), f"{src}/{rel} is not installed"
+
+
+CNN = ROOT / "examples" / "quickstart-cnn"
+
+_RUN_CNN = _RUN.replace("photo_mlp", "quickstart_cnn")
+
+
+def _run_cnn(tmp_path: Path, name: str, server: dict, client: dict) -> tuple[dict, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(CNN), "PYTHONWARNINGS": "ignore"}
+    code = _RUN_CNN.replace('make_server_app({"output-dir": out, "run-name": name})',
+                            'make_server_app({"output-dir": out, "run-name": name, '
+                            '**json.loads(sys.argv[4])})')
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), name, json.dumps(client),
+                           json.dumps(server)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+    run_dir = tmp_path / name
+    assert (run_dir / "summary.json").is_file(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return (json.loads((run_dir / "summary.json").read_text()),
+            records_from_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_quickstart_cnn_features_and_pictures_are_told_apart(tmp_path: Path) -> None:
+    """Flower's quickstart CNN, one step on 8 photos per client: what the attack certifies are
+    fc1's input features; the pictures estimated from them are scored on their own, and the
+    verdict never calls a batch readable on the strength of its features."""
+    summary, lines = _run_cnn(tmp_path, "cnn", {"max-seconds": 60.0, "pixel-seconds": 10.0},
+                              {"samples": 8, "batch-size": 8})
+    assert len(lines) == 2 and summary["inputs_certified"] == 0
+    for ln in lines:
+        assert ln["layer"] == "fc1.weight" and ln["reads"] == "features"
+        assert "input features" in ln["inputs_are"]
+        # 8 samples through 120 units: always a reconstruction, never more samples than sent
+        assert ln["status"] in ("certified", "not-certified", "partial")
+        assert ln["attack"]["batch_size"] <= ln["num_examples"] == 8
+    certified = sum(ln["status"] == "certified" for ln in lines)
+    assert summary["features_certified"] == certified
+    assert ("fc1 input features of" in summary["verdict"]) == bool(certified)
+    assert "every sample of" not in summary["verdict"]  # only inputs make samples readable
+    pictured = [ln for ln in lines if ln["pixels"] and not ln["pixels"]["error"]]
+    assert all(ln["psnr_mean"] is not None and ln["ssim_mean"] is not None for ln in pictured)
+    assert summary["pictures_scored"] == len(pictured)
+    assert (summary["verdict_level"] == "leak") == bool(summary["pictures_readable"])
+    page = (tmp_path / "cnn" / "report.html").read_text()
+    assert "Pictures from features" in page and "pictures estimated from the features" in page
+
+
+def test_quickstart_cnn_256_photos_in_8_steps_is_protected_for_its_true_reason(
+        tmp_path: Path) -> None:
+    summary, lines = _run_cnn(tmp_path, "cnn-epoch", {"max-seconds": 60.0},
+                              {"samples": 256, "batch-size": 32})
+    assert [ln["status"] for ln in lines] == ["protected", "protected"]
+    for ln in lines:
+        # 256 samples over 8 steps through fc1's units: more than the layer can separate
+        assert ln["num_examples"] == 256 and "mixes at least min(m, n)" in ln["reason"]
+    assert summary["verdict_level"] == "safe"
