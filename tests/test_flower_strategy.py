@@ -154,7 +154,7 @@ def test_a_batch_larger_than_the_layer_is_reported_protected(task_identity: None
                        lr=0.01)
     audited = AuditingStrategy(fedavg(), attack=AttackSettings(**INLINE), dataset=DATASET)
     list(audited.configure_train(1, ArrayRecord(g_state), ConfigRecord(), FakeGrid([11])))
-    _, metrics = audited.aggregate_train(1, [reply(11, content(res.state_dict, 0))])
+    _, metrics = audited.aggregate_train(1, [reply(11, content(res.state_dict, 0, num=40))])
     audited.close()
     (rec,) = audited.records
     assert rec.status == "protected" and rec.error is None

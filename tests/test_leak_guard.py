@@ -37,11 +37,12 @@ PROTECTED = GuardFinding("protected", seconds=0.1, reason="mixes at least min(m,
 TIMEOUT = GuardFinding("timeout", sparsity_match=0.91, seconds=30.0)
 
 
-def _guarded(world: dict, guard: LeakGuard, node: int = 11) -> tuple[Message, Message]:
-    """The client's reply as its handler made it, and as the guard lets it go."""
+def _guarded(world: dict, guard: LeakGuard, node: int = 11,
+             num: int = 8) -> tuple[Message, Message]:
+    """The client's reply as its handler made it (``num`` samples), and as the guard lets it go."""
     state, _ = world["updates"][node]
-    made = reply(node, content(state, node - 11))
-    unguarded = reply(node, content(state, node - 11))
+    made = reply(node, content(state, node - 11, num=num))
+    unguarded = reply(node, content(state, node - 11, num=num))
     sent = guard(instruction(node, world["global"]), Context(1, node, {}, RecordDict(), {}),
                  lambda _msg, _ctx: made)
     return unguarded, sent
@@ -168,7 +169,7 @@ def test_a_protected_update_is_sent_unchanged_under_refuse(world: dict) -> None:
     res = local_update(model, normalize(images, "mnist"), labels, protocol="fedavg", lr=0.01,
                        epochs=2, batch_size=32)
     world2 = {"global": model.state_dict(), "updates": {11: (res.state_dict, None)}}
-    unguarded, sent = _guarded(world2, LeakGuard("refuse", max_seconds=30.0))
+    unguarded, sent = _guarded(world2, LeakGuard("refuse", max_seconds=30.0), num=96)
     assert GUARD_CODES[int(_metrics(sent)["leak-guard-status"])] == "protected"
     assert arrays_equal(next(iter(sent.content.array_records.values())),
                         next(iter(unguarded.content.array_records.values())))
