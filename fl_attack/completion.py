@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from fl_attack import kernels
 from fl_attack.clock import passed
 from fl_attack.columns import dedupe
 from fl_attack.kernels import (
@@ -22,6 +23,7 @@ from fl_attack.kernels import (
     known_free,
     may_have_kernel,
     pattern_kernels,
+    screen_chunk,
     take_rows,
 )
 from fl_attack.scale import LayerSystem
@@ -95,15 +97,28 @@ def dual_slice(
     w ∈ R^(k-1), v0 the point closest to 0; None when t is orthogonal to the complement.
     Shared by :func:`missing_slice` and :func:`fl_attack.feasibility.pattern_margins`.
     """
-    B = found.shape[0]
-    k = B - found.shape[1]
-    U, _, _ = torch.linalg.svd(found, full_matrices=True)
-    N = U[:, B - k:]  # (B, k) complement of the found columns
+    N = _complement(found)  # (B, k) complement of the found columns
     c = N.T @ t  # p = N v with cᵀ v = 1
-    if float(c.norm()) <= torch.finfo(t.dtype).eps * float(t.norm()):
+    if bool(c.norm() <= torch.finfo(t.dtype).eps * t.norm()):  # one read of the device
         return None
-    Uc, _, _ = torch.linalg.svd(c[:, None], full_matrices=True)
-    return N, c / c.square().sum(), Uc[:, 1:]
+    return N, c / c.square().sum(), _complement(c[:, None])
+
+
+def _complement(A: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis (n, n - r) of the orthogonal complement of the r columns of ``A``
+    (n, r): the last left singular vectors, or, where ``kernels.slow_batched_solves`` (CUDA:
+    one factorisation per partial basis and per LP, where an SVD costs several times a QR),
+    the last columns of the complete QR factor. Either basis gives the same slice: the LPs'
+    optima do not depend on it, and the sampled points only through a rotation of their
+    isotropic draw.
+    """
+    n, r = A.shape
+    if kernels.slow_batched_solves(A):
+        if r == 0:  # nothing found yet: the whole space
+            return torch.eye(n, dtype=A.dtype, device=A.device)
+        return torch.linalg.qr(A, mode="complete").Q[:, r:]
+    U, _, _ = torch.linalg.svd(A, full_matrices=True)
+    return U[:, r:]
 
 
 def complete_missing(
@@ -186,7 +201,7 @@ def slice_row_sets(h: torch.Tensor, B: int,
 
 
 def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Tensor,
-                           zero_rtol: float, chunk_elems: int = 2**25,
+                           zero_rtol: float, chunk_elems: int | None = None,
                            deadline: float | None = None,
                            prune_at: tuple[float, ...] = (2.0, 3.0, 5.0),
                            row_noise: torch.Tensor | None = None,
@@ -208,7 +223,8 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     screen would pass almost all of them (``experiments/results/tuning.md``).
     Sets on which a ``known`` column (B, F) vanishes skip the exact test
     (:func:`fl_attack.kernels.known_free`): their kernel can only give that column back.
-    Past ``deadline`` no further chunk of points starts.
+    Past ``deadline`` no further chunk of points starts. Points go in chunks of at most
+    ``chunk_elems`` gathered elements (default ``kernels.screen_chunk``).
     """
     m, B = L.shape
     n_rules, S = lengths.shape
@@ -216,6 +232,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     if S == 0:
         return out[0]
     padded = torch.cat([L.float(), L.new_zeros(1, B, dtype=torch.float32)])  # row m: padding
+    chunk_elems = chunk_elems or screen_chunk(L.device)
     per = max(1, chunk_elems // (max(int(lengths[-1].max()), 1) * B))
     near: list[list[torch.Tensor]] = [[] for _ in range(n_rules)]
     ranks = torch.arange(idx.shape[0], device=idx.device)[:, None]
@@ -227,9 +244,10 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
         cols = torch.arange(start, min(start + per, S), device=idx.device)
         _screen_points(padded, idx, lengths, cols, checks, ranks, near, zero_rtol, row_noise)
     for r in range(n_rules):
-        if not near[r]:
+        pts = torch.cat(near[r]) if near[r] else ranks[:0, 0]
+        pts = pts[pts >= 0]  # the screen's marks: -1 where a point is not in this rule's sets
+        if not pts.numel():
             continue
-        pts = torch.cat(near[r])
         mask = ranks < lengths[r, pts][None, :]  # (top, k) prefix of each point's order
         rows = torch.where(mask, idx[:, pts], m)
         sets = torch.zeros(m + 1, pts.numel(), dtype=torch.bool, device=L.device)
@@ -248,8 +266,10 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
                    row_noise: torch.Tensor | None) -> None:
     """The float32 screen of :func:`nested_row_set_kernels` for the points ``cols`` (k,):
     accumulate each point's Gram matrix along its nested row sets and append, per rule, the
-    points whose set may have a kernel to ``near[rule]``; drop a point once a prefix of its
-    rows is clearly full rank. ``padded`` is L in float32 with a zero row m appended."""
+    points whose set may have a kernel to ``near[rule]`` (as ``cols`` with -1 for the others,
+    compacted once by the caller); drop a point once a prefix of its rows is clearly full rank.
+    ``padded`` is L in float32 with a zero row m appended. A stage reads the device twice,
+    and once per rule."""
     m, B = padded.shape[0] - 1, padded.shape[1]
     n_rules = lengths.shape[0]
     # each point's stages: its rule lengths and the checkpoints below its largest set
@@ -261,7 +281,7 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
     seen = torch.zeros(n_rules, cols.numel(), dtype=torch.bool, device=idx.device)
     for stage in range(stops.shape[0]):
         hi = stops[stage]
-        w = int((hi - lo).max())
+        w, top = torch.stack([(hi - lo).max(), hi.max()]).tolist()  # one read
         if w > 0:
             offs = lo[None, :] + ranks[:w]  # (w, k)
             inside = offs < hi[None, :]
@@ -271,23 +291,22 @@ def _screen_points(padded: torch.Tensor, idx: torch.Tensor, lengths: torch.Tenso
         lo = hi
         for r in range(n_rules):
             at = (lengths[r, cols] == hi) & ~seen[r]
-            if bool(at.any()):
-                seen[r] |= at
-                sel = at & (hi >= B - 1)
-                screen = sel & (hi > B)  # at most B rows: straight to the exact test
-                if bool(screen.any()):
-                    sel[screen] = may_have_kernel(gram[screen], hi[screen], zero_rtol, m,
-                                                  row_noise)
-                if bool(sel.any()):
-                    near[r].append(cols[sel])
+            seen[r] |= at
+            sel = at & (hi >= B - 1)
+            # at most B rows: straight to the exact test; the others are screened (one read)
+            screen = torch.nonzero(sel & (hi > B)).squeeze(1)
+            if screen.numel():
+                sel[screen] = may_have_kernel(gram.index_select(0, screen), hi[screen],
+                                              zero_rtol, m, row_noise)
+            near[r].append(torch.where(sel, cols, -1))
         if stage == stops.shape[0] - 1:
             break
-        if int(hi.max()) <= B:  # the screen keeps nearly every point on B rows
+        if top <= B:  # the screen keeps nearly every point on B rows
             continue
-        alive = (may_have_kernel(gram, lengths[-1, cols], zero_rtol, m, row_noise)
-                 & ~seen[-1])
-        if not bool(alive.all()):
-            cols, gram, lo = cols[alive], gram[alive], lo[alive]
+        alive = torch.nonzero(may_have_kernel(gram, lengths[-1, cols], zero_rtol, m, row_noise)
+                              & ~seen[-1]).squeeze(1)  # one read
+        if alive.numel() < cols.numel():
+            cols, gram, lo = cols[alive], gram.index_select(0, alive), lo[alive]
             stops, seen = stops[:, alive], seen[:, alive]
             if cols.numel() == 0:
                 break

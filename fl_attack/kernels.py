@@ -29,6 +29,25 @@ def default_chunk(device: torch.device) -> int:
     return 2**22 if device.type == "cpu" else 2**25
 
 
+def slow_batched_solves(t: torch.Tensor) -> bool:
+    """Whether torch solves batched eigen- and singular-value problems larger than 32 x 32 on
+    ``t``'s device one matrix after the other (CUDA), so that the attack takes batched Cholesky
+    or QR factors there instead. On the CPU, LAPACK's loop over the matrices is as fast as it
+    gets, and it is the path the attack was tuned on: its results stay as they were.
+    """
+    return t.is_cuda
+
+
+def screen_chunk(device: torch.device) -> int:
+    """Elements per chunk of the float32 screen of many row sets (gathered rows of a chunk of
+    points, ``completion.nested_row_set_kernels``) on ``device``.
+
+    The CPU value is the one the screen was tuned with; on CUDA a chunk four times larger
+    means a quarter of the batches, and so of the reads of the device between its stages.
+    """
+    return 2**25 if device.type == "cpu" else 2**27
+
+
 def take_rows(padded: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The rows ``rows`` (k, w) of ``padded`` (m + 1, B), as (k, w, B).
 
@@ -178,14 +197,15 @@ def smallest_ritz_pairs(
     shift = 1e-12 * gram.diagonal(dim1=1, dim2=2).amax(dim=1)
     chol, info = torch.linalg.cholesky_ex(plus_diagonal(gram, shift))
     bad = info != 0
-    if bool(bad.any()):  # keep the batch finite; these take the eigh fallback below
+    any_bad = bool(bad.any())  # the one read of the device
+    if any_bad:  # keep the batch finite; these take the eigh fallback below
         chol[bad] = torch.eye(B, dtype=gram.dtype, device=gram.device)
     for _ in range(iters):
         Y = torch.linalg.qr(torch.cholesky_solve(Y, chol)).Q
     T = Y.transpose(1, 2) @ gram @ Y  # (k, r, r)
     theta, S = torch.linalg.eigh(0.5 * (T + T.transpose(1, 2)))
     V = Y @ S  # Ritz vectors, ascending Ritz values
-    if bool(bad.any()):  # not positive definite after the shift: fall back to eigh
+    if any_bad:  # not positive definite after the shift: fall back to eigh
         vals, vecs = torch.linalg.eigh(gram[bad])
         theta[bad], V[bad] = vals[:, :r], vecs[:, :, :r]
     return theta, V
@@ -244,10 +264,10 @@ def _one_dim_kernels(gram: torch.Tensor, tol: torch.Tensor, block: int = 3,
     for blk in _blocks(gram.shape[0], gram.device):
         g, t = gram[blk], tol[blk]
         _, info = torch.linalg.cholesky_ex(plus_diagonal(g, -t))
-        singular = info != 0
-        if not bool(singular.any()):
+        singular = torch.nonzero(info != 0).squeeze(1)  # one read of the device
+        if not singular.numel():
             continue
-        g, t = g[singular], t[singular]
+        g, t = g.index_select(0, singular), t[singular]
         theta, V = smallest_ritz_pairs(g, Y[None].expand(g.shape[0], -1, -1))
         t0 = t1 = t
         if noise_tol is not None:  # tol of each Ritz vector from its own noise

@@ -13,7 +13,7 @@ import time
 import torch
 
 from fl_attack import completion, faces, polish, sampling, search
-from fl_attack.columns import dedupe, normalize_columns, pattern_keys, zero_mask
+from fl_attack.columns import dedupe, normalize_columns, zero_mask
 from fl_attack.pool import CandidatePool
 from fl_attack.state import SearchContext, SearchState
 
@@ -162,24 +162,20 @@ def split_faces(ctx: SearchContext, state: SearchState, pool: CandidatePool, Q: 
     found = []
     budget = cfg.max_faces or (tuning.faces_small if ctx.B <= tuning.small_batch
                                else tuning.faces_large)
-    for j in range(Q.shape[1]):
-        if budget <= 0 or ctx.clock.expired(deadline):
-            break
-        if vertex:
-            N = faces.vertex_face_basis(L, Q[:, j], rtol, cfg.max_leverage)
-        else:
-            N = faces.face_basis(L, Q[:, j], n_rows, rtol)
-        if N.shape[1] < 2 or N.shape[1] > cfg.max_face_dim:
-            continue
-        shared = (L @ N).norm(dim=1)
-        key = pattern_keys((shared <= rtol * shared.max())[:, None])[0]
-        if key in state.faces_seen:
-            continue
-        state.faces_seen.add(key)
-        budget -= 1
-        Qf, _ = faces.split_face(L, N, zero_rtol=rtol, generator=ctx.generator)
-        if Qf.shape[1]:
-            found.append(Qf)
+    if budget > 0 and Q.shape[1] and not ctx.clock.expired(deadline):
+        # bases and keys come in batches (faces.candidate_faces), the faces in column order
+        for N, key in faces.candidate_faces(L, Q, n_rows=n_rows, zero_rtol=rtol,
+                                            max_leverage=cfg.max_leverage,
+                                            max_dim=cfg.max_face_dim, vertex=vertex):
+            if budget <= 0 or ctx.clock.expired(deadline):
+                break
+            if key in state.faces_seen:
+                continue
+            state.faces_seen.add(key)
+            budget -= 1
+            Qf, _ = faces.split_face(L, N, zero_rtol=rtol, generator=ctx.generator)
+            if Qf.shape[1]:
+                found.append(Qf)
     if found:
         Qp, zeros, _, lev = polish.polish(L, torch.cat(found, dim=1), n_rows=n_rows,
                                           zero_rtol=rtol)
