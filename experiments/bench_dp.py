@@ -49,6 +49,7 @@ from experiments.update_attack import (
     BatchOutcome,
     SettingSummary,
     attack_batch,
+    load_note,
     print_batch,
     summarize,
     verdict,
@@ -206,7 +207,7 @@ DP_COLUMNS = (
     "detected B", "clipped samples %", "median \\|grad\\|", "σ on mean grad (median)",
     "noise multiplier (median)", "ε (median, δ)", "s_B / noise edge (median)",
     "oracle PSNR (true ∂L/∂Z)", "% oracle > 25 dB", "DP engine", "median s", "max s",
-    "setting wall s", "papers (SPEAR App. E.6, SPEAR++ §5.2)",
+    "mean s", "median CPU s", "stopped", "setting wall s", "papers (SPEAR App. E.6, SPEAR++ §5.2)",
 )
 """The columns of a run's table: the same in every section of dp.md, so new rows fit."""
 
@@ -268,7 +269,8 @@ def run_dp(settings: Sequence[tuple[int, int]], clips: Sequence[float], fracs: S
                     f"{fmt_num(eps)} ({us[0].delta:g})",
                     fmt_num(statistics.median(u.signal_to_edge for u in us)),
                     f"{statistics.mean(oracle[f]):.1f}", f"{s.oracle_pct:.0f}", used,
-                    f"{s.median_s:.1f}", f"{s.max_s:.1f}", f"{wall[f]:.0f}", paper_dp(B, m, f),
+                    f"{s.median_s:.1f}", f"{s.max_s:.1f}", f"{s.mean_s:.1f}",
+                    f"{s.median_cpu_s:.1f}", s.stopped, f"{wall[f]:.0f}", paper_dp(B, m, f),
                 ])
                 print(row, flush=True)
                 harness.append_lines(out, row)
@@ -330,9 +332,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "per-sample engine)")
     parser.add_argument("--update", choices=fl_attack.config.UPDATES, default="gradient",
                         help="AttackConfig.update the attack assumes (default gradient)")
-    harness.add_dataset(parser, DATASET, choices=("photos32", "photos64"),
+    harness.add_dataset(parser, DATASET, choices=("photos32", "photos64", "greys32", "hopper32"),
                         help="photos32: CIFAR-shaped 3x32x32 (default; the setting of the "
-                             "target); photos64: TinyImageNet-shaped 3x64x64 (SPEAR's DP table)")
+                             "target, and the attack's tuning source); photos64: "
+                             "TinyImageNet-shaped 3x64x64 (SPEAR's DP table); greys32, "
+                             "hopper32: 3x32x32 crops of photographs the attack was not tuned on")
     args = parser.parse_args(argv)
     harness.check_run_args(parser, args)
     if args.epochs < 1:
@@ -347,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.update != "gradient":
         given += f" with `update=\"{args.update}\"`"
     if args.dataset != DATASET:
-        given += f"; batches from `{args.dataset}` (first layer `relu_mlp(n, m, 3)`, n = 3·64·64)"
+        n = "3·64·64" if args.dataset == "photos64" else "3·32·32"
+        given += f"; batches from `{args.dataset}` (first layer `relu_mlp(n, m, 3)`, n = {n})"
     section = [
         harness.section_heading(MODULE, argv),
         "",
@@ -357,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"amplification), lr {args.lr:g}, δ = {args.delta:g}; σ = f · median |entry| of that "
         f"batch's clipped mean first-layer gradient; attack: default `fl_attack.invert`{given}, "
         f"max_seconds {args.max_seconds} per batch; {args.batches} batch(es) per setting "
-        f"(seeds {args.first_seed}..{args.first_seed + args.batches - 1}).",
+        f"(seeds {args.first_seed}..{args.first_seed + args.batches - 1}). "
+        f"{load_note('at the start')}",
         "",
         *harness.table_header(DP_COLUMNS),
     ]
@@ -378,7 +384,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "explains the update best, `fl_attack.readings`); DP engine (`opacus`: "
         "`simulate.local_update`, Opacus per-sample gradients; `ghost`: Opacus ghost clipping, "
         "the same update without per-sample gradients in memory, used where those would exceed "
-        "2 GiB); seconds of `invert` per batch; the setting's wall time (updates + attacks). "
+        "2 GiB); seconds of `invert` per batch (median, max, mean; and the median CPU seconds of "
+        "the process, less sensitive to other work on a shared machine); why each search ended "
+        "(`Reconstruction.stopped`: how many batches per reason); the setting's wall time "
+        "(updates + attacks). "
         "Produced by `python -m experiments.bench_dp`.\n\n"
         "Papers (SPEAR App. E.6, SPEAR++ §5.2): SPEAR (TinyImageNet, B = 20): clipping alone → "
         "118 dB (exact); σ = 1e-4 ≈ median |gradient entry| → ≈ 29 dB, 95–99% above 25 dB. "
@@ -391,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   known_b=args.known_batch_size, epochs=args.epochs, update=args.update,
                   dataset=args.dataset)
     notes = dp_conclusion(rows, args.max_seconds, args.dataset)
-    notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
+    notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s; {load_note('at the end')}")
     for line in notes:
         print(line)
     harness.append_lines(args.out, *notes)

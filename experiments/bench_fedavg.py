@@ -34,6 +34,7 @@ from experiments.update_attack import (
     BatchOutcome,
     SettingSummary,
     attack_batch,
+    load_note,
     print_batch,
     summarize,
     verdict,
@@ -93,11 +94,13 @@ def paper_fedavg(B: int, epochs: int, b_mini: int | None, lr: float) -> str:
 
 
 def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr: float,
+                  dataset: str = DATASET,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, int]:
-    """One client's FedAvg update on batch ``seed``: ``(x, dW, db, W0, b0, steps)``."""
-    x, y = data.sample_batch(DATASET, B, seed=seed)
-    xn = data.normalize(x, DATASET)
+    """One client's FedAvg update on batch ``seed`` of ``dataset``:
+    ``(x, dW, db, W0, b0, steps)``."""
+    x, y = data.sample_batch(dataset, B, seed=seed)
+    xn = data.normalize(x, dataset)
     model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
     res = simulate.local_update(model, xn, y, protocol="fedavg", lr=lr, epochs=epochs,
                                 batch_size=b_mini, seed=seed)
@@ -105,26 +108,27 @@ def fedavg_update(B: int, m: int, seed: int, epochs: int, b_mini: int | None, lr
     return x, dw, db, w0, b0, res.steps
 
 
-def fedsgd_update(B: int, m: int, seed: int,
+def fedsgd_update(B: int, m: int, seed: int, dataset: str = DATASET,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FedSGD gradient of the same batch and model as :func:`fedavg_update`'s:
     ``(dW, db, W0, b0)`` of one full-batch step (η cancels)."""
-    x, y = data.sample_batch(DATASET, B, seed=seed)
-    xn = data.normalize(x, DATASET)
+    x, y = data.sample_batch(dataset, B, seed=seed)
+    xn = data.normalize(x, dataset)
     model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
     res = simulate.local_update(model, xn, y, protocol="fedsgd", lr=PAPER_LR, seed=seed)
     return updates.weight_update_pair(model.state_dict(), res.state_dict)
 
 
 def fedsgd_cells(B: int, m: int, seeds: Sequence[int], max_seconds: float | None,
-                 device: str | None) -> list[str]:
+                 device: str | None, dataset: str = DATASET) -> list[str]:
     """The FedSGD cells of a row: the same batches' one-step gradients attacked as
     gradients (``update="gradient"``): % > 25 dB, median s, max s, median CPU s."""
     outcomes = []
     for seed in seeds:
-        x, _ = data.sample_batch(DATASET, B, seed=seed)
-        dw, db, w0, b0 = fedsgd_update(B, m, seed)
-        o = attack_batch(dw, db, w0, b0, x, seed=seed, max_seconds=max_seconds, device=device)
+        x, _ = data.sample_batch(dataset, B, seed=seed)
+        dw, db, w0, b0 = fedsgd_update(B, m, seed, dataset)
+        o = attack_batch(dw, db, w0, b0, x, seed=seed, max_seconds=max_seconds, device=device,
+                         dataset=dataset)
         print_batch(f"B={B} m={m} FedSGD", seed, o, B)
         outcomes.append(o)
     s = summarize(outcomes, B)
@@ -135,14 +139,16 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                minibatches: Sequence[int | None], lrs: Sequence[float], batches: int,
                first_seed: int, max_seconds: float | None, device: str | None,
                out: Path, update: str = "fedavg", fedsgd: bool = True,
+               dataset: str = DATASET,
                ) -> list[tuple[int, int, int, int | None, float, SettingSummary]]:
     """Run the grid, printing and appending one row per (B, m, E, b_mini, η); with
     ``fedsgd`` each (B, m) first attacks the FedSGD gradients of the same batches, whose
-    columns every row of that (B, m) repeats (— without)."""
+    columns every row of that (B, m) repeats (— without). Batches come from ``dataset``."""
     rows = []
     for B, m in settings:
         seeds = range(first_seed, first_seed + batches)
-        sgd = fedsgd_cells(B, m, seeds, max_seconds, device) if fedsgd else ["—"] * 4
+        sgd = (fedsgd_cells(B, m, seeds, max_seconds, device, dataset) if fedsgd
+               else ["—"] * 4)
         for b_mini in minibatches:
             for epochs in epochs_list:
                 for lr in lrs:
@@ -154,14 +160,14 @@ def run_fedavg(settings: Sequence[tuple[int, int]], epochs_list: Sequence[int],
                     for seed in range(first_seed, first_seed + batches):
                         try:
                             x, dw, db, w0, b0, steps = fedavg_update(B, m, seed, epochs, b_mini,
-                                                                     lr)
+                                                                     lr, dataset)
                         except ValueError as exc:  # e.g. an identically zero update
                             o = BatchOutcome(psnr=0.0, detected_b=None, exact=False, seconds=0.0,
                                              error=f"update: ValueError: {exc}")
                         else:
                             o = attack_batch(dw, db, w0, b0, x, seed=seed,
                                              max_seconds=max_seconds, device=device,
-                                             update=update)
+                                             update=update, dataset=dataset)
                         outcomes.append(o)
                         print_batch(label, seed, o, B)
                     wall = time.perf_counter() - t0
@@ -232,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="skip the FedSGD columns (by default the same batches' one-step "
                              "gradients are attacked too, for the seconds beside FedAvg's)")
     harness.add_run_args(parser, RESULTS)
+    harness.add_dataset(parser, DATASET, choices=("photos32", "greys32", "hopper32"),
+                        help="photos32: crops of the photographs the attack was tuned on "
+                             "(default); greys32, hopper32: crops of photographs it was not "
+                             "tuned on")
     args = parser.parse_args(argv)
     harness.check_run_args(parser, args)
     if any(e < 1 for e in args.epochs) or any(lr <= 0 for lr in args.lrs):
@@ -242,10 +252,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "",
         harness.machine_line(args.device),
         "",
-        f"Attack: `fl_attack.invert(..., update={args.update!r})`, otherwise default, "
+        (f"Batches from `{args.dataset}`. " if args.dataset != DATASET else "")
+        + f"Attack: `fl_attack.invert(..., update={args.update!r})`, otherwise default, "
         f"max_seconds {args.max_seconds} per batch; "
         f"{args.batches} batch(es) per setting (seeds {args.first_seed}.."
-        f"{args.first_seed + args.batches - 1}).",
+        f"{args.first_seed + args.batches - 1}). {load_note('at the start')}",
         "",
         *harness.table_header(FEDAVG_COLUMNS),
     ]
@@ -268,9 +279,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = run_fedavg(args.settings, args.epochs, args.minibatch, args.lrs, args.batches,
                       args.first_seed, args.max_seconds, args.device, args.out,
-                      update=args.update, fedsgd=not args.no_fedsgd)
+                      update=args.update, fedsgd=not args.no_fedsgd, dataset=args.dataset)
     notes = fedavg_conclusion(rows, args.max_seconds)
-    notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s.")
+    notes.append(f"- Run wall time {time.perf_counter() - t0:.0f} s; {load_note('at the end')}")
     for line in notes:
         print(line)
     harness.append_lines(args.out, *notes)

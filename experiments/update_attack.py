@@ -12,6 +12,7 @@ FedAvg).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -51,6 +52,9 @@ class BatchOutcome:
     readings: tuple[int, ...] = ()
     """The batch sizes the noisy spectrum allowed, when two were attacked
     (``Reconstruction.batch_size_readings``)."""
+    stopped: str | None = None
+    """Why the search ended (``Reconstruction.stopped``: certified, converged, budget, ...);
+    None when the attack raised."""
 
 
 @dataclass
@@ -67,6 +71,10 @@ class SettingSummary:
     errors: list[str] = field(default_factory=list)
     median_cpu_s: float = 0.0
     """Median of :attr:`BatchOutcome.cpu_seconds`."""
+    mean_s: float = 0.0
+    """Mean of :attr:`BatchOutcome.seconds`: what a federation of such clients costs."""
+    stopped: str = "—"
+    """How many batches ended for each reason (:func:`describe_stops`)."""
     oracle_pct: float | None = None
     """% of batches above 25 dB for the least-squares reconstruction from the true ∂L/∂Z."""
 
@@ -119,7 +127,7 @@ def attack_batch(dw: torch.Tensor, db: torch.Tensor, w0: torch.Tensor, b0: torch
     score = metrics.score_batch(images, x)
     return BatchOutcome(psnr=score.mean_psnr, detected_b=rec.batch_size, exact=rec.exact,
                         seconds=seconds, sparsity_match=rec.sparsity_match, cpu_seconds=cpu,
-                        readings=rec.batch_size_readings)
+                        readings=rec.batch_size_readings, stopped=getattr(rec, "stopped", None))
 
 
 def describe_detected(values: Sequence[int | None], true_b: int, two: int = 0) -> str:
@@ -147,6 +155,29 @@ def describe_detected(values: Sequence[int | None], true_b: int, two: int = 0) -
     span = f"{lo}" if lo == hi else f"{lo}–{hi}"
     extra = f"; {two} with two readings" if two else ""
     return f"{span} ({hits}/{len(values)} = B{extra})"
+
+
+def describe_stops(values: Sequence[str | None]) -> str:
+    """How many batches ended for each reason, for a table cell: ``"converged 12, budget 8"``
+    (— when the attack did not report its reasons).
+
+    Parameters
+    ----------
+    values : sequence of str or None
+        Each batch's ``Reconstruction.stopped`` (None where the attack raised or did not say).
+
+    Returns
+    -------
+    str
+        The reasons, most frequent first.
+    """
+    counts: dict[str, int] = {}
+    for v in values:
+        if v is not None:
+            counts[v] = counts.get(v, 0) + 1
+    if not counts:
+        return "—"
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def summarize(outcomes: Sequence[BatchOutcome], true_b: int) -> SettingSummary:
@@ -177,6 +208,8 @@ def summarize(outcomes: Sequence[BatchOutcome], true_b: int) -> SettingSummary:
         max_s=max(secs),
         errors=[o.error for o in outcomes if o.error],
         median_cpu_s=statistics.median(o.cpu_seconds for o in outcomes),
+        mean_s=statistics.mean(secs),
+        stopped=describe_stops([o.stopped for o in outcomes]),
     )
 
 
@@ -199,8 +232,19 @@ def print_batch(label: str, seed: int, o: BatchOutcome, true_b: int) -> None:
         return
     lam = "-" if o.sparsity_match is None else f"{o.sparsity_match:.4f}"
     read = f" of {o.readings}" if len(o.readings) > 1 else ""
+    why = f"  stopped={o.stopped}" if o.stopped else ""
     print(f"  {label} batch {seed}: PSNR {o.psnr:6.1f}  B̂={o.detected_b}{read}/{true_b}  λ={lam}  "
-          f"exact={o.exact}  {o.seconds:.1f}s", flush=True)
+          f"exact={o.exact}  {o.seconds:.1f}s ({o.cpu_seconds:.1f} CPU s){why}", flush=True)
+
+
+def load_note(when: str) -> str:
+    """The machine's load averages (1, 5, 15 min) for a results section: the attack's budget is
+    wall time, so on a shared machine a loaded run gets less compute within it."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return f"Load average {when}: not available."
+    return f"Load average {when}: {one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min)."
 
 
 def verdict(pcts: Sequence[float]) -> str:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import feasibility, filtering, match, polish, select
+from fl_attack import feasibility, filtering, match, polish, select, violations
 from fl_attack.columns import dedupe, pattern_keys, zero_mask
-from fl_attack.pool import CandidatePool
+from fl_attack.pool import CandidatePool, Selection
 from fl_attack.rounds import missing_candidates
 from fl_attack.state import SearchContext, SearchState
 from fl_attack.tolerances import row_noise
@@ -37,7 +37,9 @@ def assess(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Asses
 
     Sets ``state.match``, ``state.trusted`` (clean: the columns whose patterns match on all m
     units; partial: the feasible ones; noisy: those scoring ``Tuning.noisy_trust`` of a true
-    column's sparsity) and ``state.deflated`` (what later rounds search the complement of).
+    column's sparsity and, in a full selection, without more than ``Tuning.noisy_violations``
+    confident violations of the ReLU law, ``violations.violating``) and ``state.deflated``
+    (what later rounds search the complement of).
 
     Parameters
     ----------
@@ -56,6 +58,8 @@ def assess(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Asses
     state.trusted = Q[:, :count]
     if ctx.row_noise is not None:  # under noise no pattern matches on every unit
         trust = pool.scores[sel.idx] >= ctx.tuning.noisy_trust * ctx.min_zeros
+        if count == B:  # and a column that clearly breaks the ReLU law is not a sample's
+            trust &= ~violations.violating(ctx, Q).to(trust.device)
         state.trusted = state.trusted[:, trust]
     elif state.match is not None:  # with a full basis, trust the columns whose patterns match
         state.trusted = Q[:, state.match.per_column >= ctx.L.shape[0]]
@@ -118,7 +122,8 @@ def feasible(ctx: SearchContext, state: SearchState, cols: torch.Tensor) -> torc
 def finish(ctx: SearchContext, state: SearchState,
            pool: CandidatePool) -> tuple[torch.Tensor, int]:
     """The final selection: stage 2 swaps (SPEAR §4.2), the repair of 1-3 mismatching columns
-    (:func:`repair`) and, under noise, the found columns re-estimated from all their zero rows
+    (:func:`repair`) and, under noise, the columns that clearly break the ReLU law completed
+    anew (``violations.repair``) and the found columns re-estimated from all their zero rows
     (``polish.noisy_refit``). Runs until the finish deadline; sets ``state.match``,
     ``state.swaps`` and, when that deadline passed, ``state.exhausted``.
 
@@ -135,10 +140,10 @@ def finish(ctx: SearchContext, state: SearchState,
     cfg, clock = ctx.cfg, ctx.clock
     t0 = time.perf_counter()
     sel = pool.select()
-    Q, count = sel.Q, sel.count
+    Q, count, spare = sel.Q, sel.count, _swap_candidates(ctx, pool, sel)
     if cfg.greedy and ctx.system.WR is not None:
         Q, state.match, state.swaps = select.swap_greedily(
-            Q, sel.spare, select.OutputSwaps(ctx.system, Q, sel.spare),
+            Q, spare, select.OutputSwaps(ctx.system, Q, spare),
             max_swaps=cfg.max_swaps, positions=cfg.swap_positions,
             deadline=clock.finish_deadline,
         )
@@ -147,6 +152,10 @@ def finish(ctx: SearchContext, state: SearchState,
     clock.tick("select", t0)
     if count == ctx.B and state.match is not None and state.match.value < 1.0:
         Q = repair(ctx, state, Q)
+    if ctx.row_noise is not None and count == ctx.B and violations.applies(ctx):
+        t0 = time.perf_counter()  # columns that clearly break the ReLU law, completed anew
+        Q = violations.repair(ctx, Q, clock.finish_deadline)
+        clock.tick("repair", t0)
     if ctx.row_noise is not None and count:  # each found column from all its zero rows
         t0 = time.perf_counter()
         Q = Q.clone()
@@ -156,6 +165,17 @@ def finish(ctx: SearchContext, state: SearchState,
         clock.tick("refit", t0)
     state.exhausted = state.exhausted or clock.expired(clock.finish_deadline)
     return Q, count
+
+
+def _swap_candidates(ctx: SearchContext, pool: CandidatePool, sel: Selection) -> torch.Tensor:
+    """The spare columns stage 2 may swap in: all of them on a clean update; under noise only
+    those as sparse as a trusted column (``Tuning.noisy_trust``; beyond the papers)."""
+    if ctx.row_noise is None or not sel.spare.shape[1]:
+        return sel.spare
+    rest = torch.ones(pool.scores.shape[0], dtype=torch.bool, device=pool.scores.device)
+    rest[sel.idx] = False
+    keep = pool.scores[rest] >= ctx.tuning.noisy_trust * ctx.min_zeros
+    return sel.spare[:, keep.to(sel.spare.device)]
 
 
 def repair(ctx: SearchContext, state: SearchState, Q: torch.Tensor) -> torch.Tensor:

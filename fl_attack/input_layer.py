@@ -331,6 +331,7 @@ def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
         noise_std=dec.noise_std, scales=D.norm(dim=1), rounds=state.rounds,
         n_candidates=len(pool), swaps=picked.swaps, exhausted=picked.exhausted,
         nonnegative=m is not None and bool(m.nonnegative.all()),
+        stopped=state.stopped if B > 1 else "single",
     )
 
 

@@ -101,7 +101,7 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
         noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
         n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
-        peeled=found.peeled, supported=certify.supported(ctx, Q),
+        peeled=found.peeled, supported=certify.supported(ctx, Q), stopped=found.stopped,
     )
 
 
@@ -121,6 +121,9 @@ class _Found:
     n_candidates: int = 0
     swaps: int = 0
     exhausted: bool = False
+    stopped: str = ""
+    """Why this level's search ended (``SearchState.stopped``; with peeling, the last level's,
+    or ``"budget"`` when a level ran out of time)."""
 
 
 def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
@@ -156,11 +159,11 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
     if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
         Q = torch.ones(1, 1, dtype=torch.float64, device=layer.device)
         state.match = sparsity_match(Q, system)
-        return _Found(ctx, state, Q, 1)
+        return _Found(ctx, state, Q, 1, stopped="single")
     while True:
         Q, n_found = loop.search(ctx, state, pool)
         here = _Found(ctx, state, Q, n_found, rounds=state.rounds, n_candidates=len(pool),
-                      swaps=state.swaps, exhausted=state.exhausted)
+                      swaps=state.swaps, exhausted=state.exhausted, stopped=state.stopped)
         peeled, state.peeled = state.peeled, None
         if peeled is None:
             return here
@@ -219,3 +222,4 @@ def _merge(here: _Found, sub: _Found) -> None:
     here.n_candidates += sub.n_candidates
     here.swaps += sub.swaps
     here.exhausted = here.exhausted or sub.exhausted
+    here.stopped = "budget" if "budget" in (here.stopped, sub.stopped) else sub.stopped

@@ -26,14 +26,16 @@ log = logging.getLogger("fl_attack")
 
 def search(ctx: SearchContext, state: SearchState,
            pool: CandidatePool) -> tuple[torch.Tensor, int]:
-    """Search until B directions with λ at the stop level, the round cap or the time budget.
+    """Search until B directions with λ at the stop level, convergence, the round cap or the
+    time budget.
 
     SPEAR++ rounds (SPEAR++ §4) or SPEAR sampling steps (SPEAR §5.1), each followed by the
     completions from the trusted columns (:func:`completions`). The loop stops when the
     selection is done, the budget is spent, SPEAR's sample cap is reached, or (SPEAR++) a full
-    basis has not changed for ``Tuning.stale_rounds`` rounds (λ < 1 is then final). After
-    SPEAR++ round 1 the neighbour search runs once. With a peeler the loop returns early when
-    verified samples wait in ``state.peeled``.
+    basis (under noise, any selection) has stopped improving for ``Tuning.stale_rounds`` rounds
+    (:class:`Staleness`; λ < 1 is then final). After SPEAR++ round 1 the neighbour search runs
+    once. With a peeler the loop returns early when verified samples wait in ``state.peeled``.
+    ``state.stopped`` says why the loop ended (``state.STOP_REASONS``).
 
     Parameters
     ----------
@@ -56,32 +58,100 @@ def search(ctx: SearchContext, state: SearchState,
         progress(ctx, "slice sampling before the search: %d/%d directions", now.count, ctx.B)
         if now.done:
             state.exhausted = ctx.clock.expired()
+            state.stopped = done_reason(ctx, state)
             return certify.finish(ctx, state, pool)
         if state.peeled is not None:
+            state.stopped = "peeled"
             return now.Q, now.count
-    last, stale = None, 0
+    stale = Staleness(ctx)
+    state.stopped = "rounds"
     for _ in range(max_rounds):
         state.rounds += 1
         (rounds.spear_round if spear else rounds.spearpp_round)(ctx, state, pool)
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
         _log_round(ctx, state, pool, now)
         if state.peeled is not None:
+            state.stopped = "peeled"
             return now.Q, now.count
-        # a full basis whose pool no round changes any more: λ < 1 is final (not every true
-        # basis reaches 1: a sample with a tiny loss gradient has a column at the noise level).
-        # A FedAvg pool keeps growing by mixtures of similar samples (τ = 0.2 lets them in),
-        # so there the selection's λ not changing counts
-        size = None if ctx.system.subset else len(pool)
-        key = (size, now.count, state.match.value if state.match else None)
-        stale, last = (stale + 1 if key == last else 0), key
-        if (now.done or ctx.clock.expired() or (spear and state.samples >= cfg.max_samples)
-                or (not spear and now.count == ctx.B and stale >= ctx.tuning.stale_rounds)):
+        stale_rounds = stale.update(state, pool, now)
+        reason = _stop_reason(ctx, state, now, stale_rounds)
+        if reason is not None:
+            state.stopped = reason
+            if reason == "converged":
+                progress(ctx, "%.1fs: converged: %d rounds without improvement",
+                         ctx.clock.elapsed(), stale_rounds)
             break
         if (not spear and cfg.polish and state.rounds == 1 and len(pool)
                 and not ctx.clock.expired()):
             rounds.neighbour_search(ctx, state, pool)
     state.exhausted = ctx.clock.expired()
     return certify.finish(ctx, state, pool)
+
+
+def done_reason(ctx: SearchContext, state: SearchState) -> str:
+    """Why a done selection is done: ``certified`` (λ = 1 on a clean update), ``lambda``
+    (λ at a stop level below 1, or under noise) or ``found`` (no λ without weight and bias)."""
+    if state.match is None:
+        return "found"
+    return "certified" if not ctx.noisy and state.match.value >= 1.0 else "lambda"
+
+
+def _stop_reason(ctx: SearchContext, state: SearchState, now: Assessment,
+                 stale_rounds: int) -> str | None:
+    """Why the loop stops after this round (``state.STOP_REASONS``), or None to go on."""
+    spear = ctx.cfg.method == "spear"
+    if now.done:
+        return done_reason(ctx, state)
+    if ctx.clock.expired():
+        return "budget"
+    if spear and state.samples >= ctx.cfg.max_samples:
+        return "samples"
+    # clean: a full basis that stopped changing; noisy: no progress at all (a column that
+    # noise hides stays hidden, so rounds that find nothing new do not pay)
+    full = now.count == ctx.B or ctx.noisy
+    if not spear and full and stale_rounds >= ctx.tuning.stale_rounds:
+        return "converged"
+    return None
+
+
+class Staleness:
+    """Rounds in a row in which the search has not improved its selection.
+
+    A clean gradient's full basis is final when its pool no round changes any more (neither
+    its size nor λ): not every true basis reaches λ = 1 (a sample with a tiny loss gradient
+    has a column at the noise level). A FedAvg pool keeps growing by mixtures of similar
+    samples (τ = 0.2 lets them in), so there only λ not changing counts. Under noise every
+    round adds noisy copies of columns already found, so the pool grows and λ moves by a few
+    entries either way without the reconstruction changing; there a round counts as progress
+    only when it raises the best λ so far, the number of selected columns or the number of
+    trusted ones (beyond the papers: SPEAR §5.1 stops on λ or a sample cap; measured in
+    ``experiments/results/dp.md``).
+    """
+
+    def __init__(self, ctx: SearchContext) -> None:
+        self.ctx = ctx
+        self.last: tuple | None = None
+        self.best: tuple[int, int, float] | None = None
+        self.rounds = 0
+
+    def update(self, state: SearchState, pool: CandidatePool, now: Assessment) -> int:
+        """Record this round's selection; the rounds in a row without progress."""
+        ctx = self.ctx
+        if not ctx.noisy:
+            size = None if ctx.system.subset else len(pool)
+            key = (size, now.count, state.match.value if state.match else None)
+            self.rounds, self.last = (self.rounds + 1 if key == self.last else 0), key
+            return self.rounds
+        trusted = 0 if state.trusted is None else state.trusted.shape[1]
+        lam = state.match.value if state.match is not None else -1.0
+        if self.best is None:
+            self.best, self.rounds = (now.count, trusted, lam), 0
+            return 0
+        count, most, top = self.best
+        better = now.count > count or trusted > most or lam > top
+        self.best = (max(count, now.count), max(most, trusted), max(top, lam))
+        self.rounds = 0 if better else self.rounds + 1
+        return self.rounds
 
 
 def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,

@@ -63,6 +63,16 @@ class Reconstruction:
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best
     selection found in the time given, and a larger budget may find more."""
+    stopped: str = ""
+    """Why the search ended: ``"certified"`` (λ = 1 with all B columns, no noise),
+    ``"lambda"`` (λ reached its stop level: under noise ``Tuning.noisy_lambda_stop`` with all
+    B columns trusted), ``"found"`` (all B directions, no weight and bias for λ),
+    ``"converged"`` (a full basis stopped improving for ``Tuning.stale_rounds`` rounds; under
+    noise any selection: no better λ, no new selected or trusted column), ``"budget"``
+    (``AttackConfig.max_seconds``), ``"rounds"`` (the round cap), ``"samples"`` (SPEAR's
+    sample cap), ``"single"`` (B = 1) or ``"peeled"`` (every sample recovered through the
+    next layer). With peeling, the last level's reason (``"budget"`` if any level ran out of
+    time). ``budget_exhausted`` says in addition whether the final selection was cut short."""
 
     @property
     def partial(self) -> bool:
@@ -86,6 +96,7 @@ class Reconstruction:
             "chance_zeros": self.chance_zeros,
             "peeled": self.peeled,
             "budget_exhausted": self.budget_exhausted,
+            "stopped": self.stopped,
             "batch_size_readings": list(self.batch_size_readings),
             "reading_scores": [round(v, 1) for v in self.reading_scores],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
@@ -142,6 +153,7 @@ def build_reconstruction(
     peeled: int = 0,
     nonnegative: bool = True,
     supported: bool = True,
+    stopped: str = "",
 ) -> Reconstruction:
     """The :class:`Reconstruction` of either side of the attack.
 
@@ -164,6 +176,9 @@ def build_reconstruction(
         The per-sample scales.
     rounds, n_candidates, swaps, peeled, exhausted
         The search's counters and whether the budget ended it.
+    stopped
+        Why the search ended (``state.STOP_REASONS``); ``"certified"`` becomes ``"lambda"``
+        when the certificate's other conditions fail (``nonnegative``, ``supported``).
 
     Returns
     -------
@@ -172,12 +187,15 @@ def build_reconstruction(
     col = None
     if per_column is not None:
         col = (per_column.double() / units).cpu()
+    exact = certified(sparsity_match, n_found, batch_size, noisy=noisy,
+                      nonnegative=nonnegative, supported=supported)
+    if stopped == "certified" and not exact:
+        stopped = "lambda"
     return Reconstruction(
         inputs=inputs.cpu(),
         batch_size=batch_size,
         sparsity_match=sparsity_match,
-        exact=certified(sparsity_match, n_found, batch_size, noisy=noisy,
-                        nonnegative=nonnegative, supported=supported),
+        exact=exact,
         n_directions=n_found,
         method=cfg.method,
         seconds=clock.elapsed(),
@@ -192,4 +210,5 @@ def build_reconstruction(
         chance_zeros=chance_zeros,
         peeled=peeled,
         budget_exhausted=exhausted,
+        stopped=stopped,
     )

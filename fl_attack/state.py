@@ -119,6 +119,19 @@ def search_context(cfg: AttackConfig, dec: Decomposition, system: LayerSystem,
     )
 
 
+STOP_REASONS = ("certified", "lambda", "found", "converged", "budget", "rounds", "samples",
+                "single", "peeled")
+"""Why a search ends (``Reconstruction.stopped``): ``certified``, λ = 1 with all B columns on a
+clean update; ``lambda``, λ reached the stop level under noise (``Tuning.noisy_lambda_stop``, or
+``AttackConfig.lambda_stop``) with all B columns trusted; ``found``, all B directions without the
+weight and bias λ needs; ``converged``, a full basis stopped improving (``Tuning.stale_rounds``
+rounds without a change; under noise any selection, without a better λ or a new selected or trusted
+column, ``loop.search``); ``budget``, ``AttackConfig.max_seconds`` ran out; ``rounds``, the round
+cap (``AttackConfig.max_rounds``); ``samples``, SPEAR's sample cap (``AttackConfig.max_samples``);
+``single``, B = 1 (nothing to search); ``peeled``, the loop handed verified samples to the peeling
+(``fl_attack.peel``) and no level was left to search."""
+
+
 @dataclass
 class SearchState:
     """What the steps of one search change as it runs."""
@@ -149,3 +162,5 @@ class SearchState:
     """Set when the search stopped to let verified samples be peeled off."""
     exhausted: bool = False
     """Set when the budget ran out before the search or the final selection ended."""
+    stopped: str = ""
+    """Why the last search loop ended (``loop.search``): one of :data:`STOP_REASONS`."""

@@ -41,7 +41,13 @@ class Tuning:
     search ends only with all B trusted) when its ``filtering.noisy_sparsity`` is at least this
     share of the least zero count of a true column."""
     noisy_lambda_stop: float = 0.98
-    """λ at which a search on a noisy update stops (no basis reaches 1 under noise)."""
+    """λ at which a search on a noisy update stops (no basis reaches 1 under noise), once all B
+    columns are trusted."""
+    noisy_violations: int = 2
+    """Under noise a column of a full selection with more confident violations of the ReLU law
+    than this (``violations.law_violations``) is not trusted (the search goes on, completing
+    it from the others) and the final selection repairs it (``violations.repair``). The true
+    basis shows at most one per column at f = 0.05-0.1 on the tuning batches."""
     neighbour_share: float = 0.25
     """Share of ``max_seconds`` the neighbour search after round 1 may take (half of it for
     the seeds, ``faces.conditional_directions``)."""
