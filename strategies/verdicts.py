@@ -127,6 +127,8 @@ def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     why = f"λ = {lam:.4f} < 1: some samples' activation patterns do not match the update"
     if result.get("budget_exhausted"):
         why += "; the time budget ended the search"
+    elif result.get("stopped") == "converged":
+        why += "; the search ended when more rounds stopped improving it"
     readings = result.get("batch_size_readings") or []
     if len(readings) > 1:
         why += (f"; the noisy spectrum allowed B = {' or '.join(map(str, readings))}, "

@@ -338,6 +338,18 @@ def test_a_noisy_verdict_names_the_batch_size_readings() -> None:
     assert plain is not None and "readings" not in plain and "17" not in plain
 
 
+def test_a_noisy_verdict_says_why_the_search_ended() -> None:
+    """The reason names what ended a search that did not certify: the budget, or the search
+    itself when more rounds stopped improving it (``Reconstruction.stopped``)."""
+    summary = {"batch_size": 20, "n_directions": 20, "exact": False,
+               "sparsity_match": 0.9731, "stopped": "converged", "budget_exhausted": False}
+    _, reason = verdicts.reconstruction_verdict(summary)
+    assert reason is not None and "stopped improving" in reason and "budget" not in reason
+    _, timed = verdicts.reconstruction_verdict({**summary, "stopped": "budget",
+                                                "budget_exhausted": True})
+    assert timed is not None and "time budget ended" in timed and "improving" not in timed
+
+
 def test_central_dp_epsilon_is_taken_from_flowers_own_accountant(tmp_path) -> None:
     """A wrapped central-DP strategy with ``accountant=``: the report states its ε, naming the
     accountant, beside the warning that central DP does not protect the updates read."""
