@@ -32,9 +32,15 @@ def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
     t0 = time.perf_counter()
     best: AttackOutcome | None = None
     first_error: AttackOutcome | None = None
+    cap = job.memory_limit_gb if in_worker else None
     for reading in job.readings:
-        with _memory_cap(job.memory_limit_gb if in_worker else None):
+        with _memory_cap(cap):
             out = _attack_once(job, reading)
+        if cap and out.status == verdicts.ATTACK_ERROR and _lost_allocation(out.error):
+            out = error_outcome(verdicts.OUT_OF_MEMORY,
+                                f"{out.error} (under the memory cap of {cap:g} GB: an allocation "
+                                "failed inside a C extension, which reported no MemoryError)",
+                                out.seconds)
         if out.status == verdicts.PROTECTED:
             best = best or out  # the rank does not depend on the reading: no other can do better
             break
@@ -148,6 +154,13 @@ def _is_oom(exc: Exception) -> bool:
     text = str(exc).lower()
     return (type(exc).__name__ == "OutOfMemoryError" or getattr(exc, "errno", None) == 12
             or any(word in text for word in _OOM_WORDS))
+
+
+def _lost_allocation(error: str | None) -> bool:
+    """Whether an error under a memory cap is an allocation a C extension failed without
+    raising (CPython's ``SystemError: error return without exception set``, seen from numpy or
+    torch when the cap refuses their memory)."""
+    return bool(error) and error.startswith("SystemError") and "without exception" in error
 
 
 @contextlib.contextmanager

@@ -175,6 +175,22 @@ def test_a_memory_cap_gives_out_of_memory_and_the_pool_goes_on(job: AttackJob) -
         pool.close()
 
 
+def test_an_allocation_a_c_extension_fails_silently_under_the_cap_is_out_of_memory(
+        job: AttackJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the memory cap a refused allocation can surface as CPython's "SystemError: error
+    return without exception set" (numpy or torch failing without raising MemoryError): the
+    outcome is out-of-memory and says why; without a cap the same error stays an attack error."""
+    import fl_attack_flwr.running as running
+
+    lost = AttackOutcome(verdicts.ATTACK_ERROR,
+                         error="SystemError: error return without exception set", seconds=1.0)
+    monkeypatch.setattr(running, "_attack_once", lambda _job, _reading: lost)
+    capped = AttackJob(**{**job.__dict__, "memory_limit_gb": 0.5})
+    out = run_job(capped, in_worker=True)
+    assert out.status == verdicts.OUT_OF_MEMORY and "memory cap of 0.5 GB" in out.error
+    assert run_job(job, in_worker=True).status == verdicts.ATTACK_ERROR
+
+
 def test_closing_a_pool_marks_queued_jobs_unfinished(job: AttackJob) -> None:
     pool = PoolExecutor(1, timeout=300)
     futures = [pool.submit(job) for _ in range(3)]
