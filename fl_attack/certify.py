@@ -57,7 +57,7 @@ def assess(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Asses
     state.match = match.sparsity_match(Q, ctx.system) if count == B else None
     state.trusted = Q[:, :count]
     if ctx.row_noise is not None:  # under noise no pattern matches on every unit
-        trust = pool.scores[sel.idx] >= ctx.tuning.noisy_trust * ctx.min_zeros
+        trust = _noisy_trusted(ctx, pool.scores[sel.idx])
         if count == B:  # and a column that clearly breaks the ReLU law is not a sample's
             trust &= ~violations.violating(ctx, Q).to(trust.device)
         state.trusted = state.trusted[:, trust]
@@ -140,7 +140,7 @@ def finish(ctx: SearchContext, state: SearchState,
     cfg, clock = ctx.cfg, ctx.clock
     t0 = time.perf_counter()
     sel = pool.select()
-    Q, count, spare = sel.Q, sel.count, _swap_candidates(ctx, pool, sel)
+    Q, count, spare = sel.Q, sel.count, _swap_candidates(ctx, sel)
     if cfg.greedy and ctx.system.WR is not None:
         Q, state.match, state.swaps = select.swap_greedily(
             Q, spare, select.OutputSwaps(ctx.system, Q, spare),
@@ -167,15 +167,18 @@ def finish(ctx: SearchContext, state: SearchState,
     return Q, count
 
 
-def _swap_candidates(ctx: SearchContext, pool: CandidatePool, sel: Selection) -> torch.Tensor:
+def _swap_candidates(ctx: SearchContext, sel: Selection) -> torch.Tensor:
     """The spare columns stage 2 may swap in: all of them on a clean update; under noise only
     those as sparse as a trusted column (``Tuning.noisy_trust``; beyond the papers)."""
     if ctx.row_noise is None or not sel.spare.shape[1]:
         return sel.spare
-    rest = torch.ones(pool.scores.shape[0], dtype=torch.bool, device=pool.scores.device)
-    rest[sel.idx] = False
-    keep = pool.scores[rest] >= ctx.tuning.noisy_trust * ctx.min_zeros
-    return sel.spare[:, keep.to(sel.spare.device)]
+    return sel.spare[:, _noisy_trusted(ctx, sel.spare_scores).to(sel.spare.device)]
+
+
+def _noisy_trusted(ctx: SearchContext, scores: torch.Tensor) -> torch.Tensor:
+    """(K,) bool: candidates whose noisy sparsity score is at least ``Tuning.noisy_trust`` of
+    a true column's least zero count (the trust test under noise)."""
+    return scores >= ctx.tuning.noisy_trust * ctx.min_zeros
 
 
 def repair(ctx: SearchContext, state: SearchState, Q: torch.Tensor) -> torch.Tensor:

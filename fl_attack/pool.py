@@ -27,6 +27,8 @@ class Selection:
     """(B, c) the pool columns not selected (stage 2 swaps them in)."""
     idx: torch.Tensor
     """(count,) pool indices of the selected columns."""
+    spare_scores: torch.Tensor
+    """(c,) the spare columns' sparsity scores (``CandidatePool.scores``)."""
 
 
 class CandidatePool:
@@ -99,4 +101,5 @@ class CandidatePool:
         Q = select.complete_basis(self.columns[:, idx], ctx.B)
         rest = torch.ones(self.columns.shape[1], dtype=torch.bool, device=self.columns.device)
         rest[idx] = False
-        return Selection(Q=Q, count=count, spare=self.columns[:, rest], idx=idx)
+        return Selection(Q=Q, count=count, spare=self.columns[:, rest], idx=idx,
+                         spare_scores=self.scores[rest])
