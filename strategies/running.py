@@ -35,12 +35,7 @@ def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
     cap = job.memory_limit_gb if in_worker else None
     for reading in job.readings:
         with _memory_cap(cap):
-            out = _attack_once(job, reading)
-        if cap and out.status == verdicts.ATTACK_ERROR and _lost_allocation(out.error):
-            out = error_outcome(verdicts.OUT_OF_MEMORY,
-                                f"{out.error} (under the memory cap of {cap:g} GB: an allocation "
-                                "failed inside a C extension, which reported no MemoryError)",
-                                out.seconds)
+            out = _attack_once(job, reading, cap)
         if out.status == verdicts.PROTECTED:
             best = best or out  # the rank does not depend on the reading: no other can do better
             break
@@ -64,7 +59,7 @@ def _rank(out: AttackOutcome) -> tuple[int, float]:
     return order.get(out.status, -1), -1.0 if lam is None else float(lam)
 
 
-def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
+def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> AttackOutcome:
     from fl_attack.errors import NotIdentifiable
 
     t0 = time.perf_counter()
@@ -78,8 +73,14 @@ def _attack_once(job: AttackJob, reading: str) -> AttackOutcome:
         return error_outcome(verdicts.OUT_OF_MEMORY, f"MemoryError: {exc}",
                              time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 - any fault becomes a recorded outcome
+        error = f"{type(exc).__name__}: {exc}"
+        if cap and _lost_allocation(exc):
+            return error_outcome(verdicts.OUT_OF_MEMORY,
+                                 f"{error} (under the memory cap of {cap:g} GB: an allocation "
+                                 "failed inside a C extension, which reported no MemoryError)",
+                                 time.perf_counter() - t0)
         status = verdicts.OUT_OF_MEMORY if _is_oom(exc) else verdicts.ATTACK_ERROR
-        return error_outcome(status, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
+        return error_outcome(status, error, time.perf_counter() - t0)
     summary = rec.as_dict()
     if known is not None:
         summary["batch_size_from"] = known
@@ -156,11 +157,11 @@ def _is_oom(exc: Exception) -> bool:
             or any(word in text for word in _OOM_WORDS))
 
 
-def _lost_allocation(error: str | None) -> bool:
-    """Whether an error under a memory cap is an allocation a C extension failed without
+def _lost_allocation(exc: Exception) -> bool:
+    """Whether an exception under a memory cap is an allocation a C extension failed without
     raising (CPython's ``SystemError: error return without exception set``, seen from numpy or
     torch when the cap refuses their memory)."""
-    return bool(error) and error.startswith("SystemError") and "without exception" in error
+    return isinstance(exc, SystemError) and "without exception" in str(exc)
 
 
 @contextlib.contextmanager

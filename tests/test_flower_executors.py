@@ -182,9 +182,10 @@ def test_an_allocation_a_c_extension_fails_silently_under_the_cap_is_out_of_memo
     outcome is out-of-memory and says why; without a cap the same error stays an attack error."""
     import fl_attack_flwr.running as running
 
-    lost = AttackOutcome(verdicts.ATTACK_ERROR,
-                         error="SystemError: error return without exception set", seconds=1.0)
-    monkeypatch.setattr(running, "_attack_once", lambda _job, _reading: lost)
+    def lost(_job: AttackJob, _reading: str) -> None:
+        raise SystemError("error return without exception set")
+
+    monkeypatch.setattr(running, "_invert_reading", lost)
     capped = AttackJob(**{**job.__dict__, "memory_limit_gb": 0.5})
     out = run_job(capped, in_worker=True)
     assert out.status == verdicts.OUT_OF_MEMORY and "memory cap of 0.5 GB" in out.error
@@ -204,7 +205,7 @@ def test_closing_a_pool_marks_queued_jobs_unfinished(job: AttackJob) -> None:
 def _fake(outcomes: dict[str, dict]):
     calls: list[str] = []
 
-    def attack_once(job: AttackJob, reading: str) -> AttackOutcome:
+    def attack_once(job: AttackJob, reading: str, cap: float | None = None) -> AttackOutcome:
         calls.append(reading)
         return dataclasses.replace(outcomes[reading], reading=reading, seconds=0.0)
 
