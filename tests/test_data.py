@@ -64,6 +64,14 @@ def test_photo_crops_are_textured_and_not_near_duplicates():
     assert float(mse.min()) > 1e-3 - 1e-9  # no two crops within 30 dB of each other
 
 
+def test_mixed_crops_come_from_the_colour_and_the_grey_photographs():
+    x, _ = data.load_images("mixed32", 340)
+    grey = (x[:, 0] == x[:, 1]).flatten(1).all(1) & (x[:, 1] == x[:, 2]).flatten(1).all(1)
+    # 8 of its 17 photographs are greyscale (scikit-image's); Grace Hopper is in colour
+    assert 0.35 < float(grey.double().mean()) < 0.7
+    assert data.image_shape("mixed32") == (3, 32, 32)
+
+
 @pytest.mark.parametrize("name", ["photos32", "photos64", "mnist"])
 def test_sample_batch_distinct_deterministic(name):
     x, y = data.sample_batch(name, 25, seed=3)

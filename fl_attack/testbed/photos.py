@@ -47,6 +47,7 @@ PHOTO_SETS: dict[str, tuple[str, ...]] = {
     "photos64": PHOTO_SOURCES,
     "greys32": GREY_SOURCES,
     "hopper32": ("mpl:grace_hopper.jpg",),
+    "mixed32": (*PHOTO_SOURCES, *GREY_SOURCES, "mpl:grace_hopper.jpg"),
 }
 
 # Photo-crop generation parameters (see _CropPool).
