@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fl_attack import kernels
+from fl_attack import batched_lu, kernels
 from fl_attack.clock import passed
 from fl_attack.columns import dedupe, pattern_keys, zero_mask
 from fl_attack.kernels import default_chunk, gathered_rows, plus_diagonal
@@ -210,7 +210,7 @@ def vertex_face_bases(
     counts = zeros.sum(dim=0)
     for cols, Lz in gathered_rows(L, zeros, default_chunk(L.device), sort=False):
         q, LzT = Q[:, cols].T, Lz.transpose(1, 2)
-        sol, info = torch.linalg.solve_ex(LzT @ Lz + q[:, :, None] * q[:, None, :], LzT)
+        sol, info = batched_lu.solve_ex(LzT @ Lz + q[:, :, None] * q[:, None, :], LzT)
         lev = (sol * LzT).sum(dim=1)  # (k, w)
         real = torch.arange(Lz.shape[1], device=L.device)[None, :] < counts[cols][:, None]
         keep = real & (lev < max_leverage)  # padding rows are not the vertex's

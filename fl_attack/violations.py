@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from fl_attack import filtering, polish
+from fl_attack import batched_lu, filtering, polish
 from fl_attack.columns import dedupe
 from fl_attack.rounds import missing_candidates
 from fl_attack.state import SearchContext
@@ -70,7 +70,7 @@ def law_violations(ctx: SearchContext, Qs: torch.Tensor) -> torch.Tensor:
     noise = ctx.row_noise.to(system.L)
     for start in range(0, Qs.shape[0], CHUNK):
         Q = Qs[start:start + CHUNK]
-        P = torch.linalg.inv(Q)  # (T, B, B): row i of Q⁻¹ gives sample i
+        P = batched_lu.inv(Q)  # (T, B, B): row i of Q⁻¹ gives sample i
         s = P @ system.t  # (T, B)
         Z = torch.einsum("mk,tik->tmi", system.WR, P) / s[:, None, :] + system.bias[:, None]
         sigma_z = (ctx.dec.noise_std * w_norm[None, :, None]
