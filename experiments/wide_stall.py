@@ -32,7 +32,7 @@ import fl_attack
 from experiments import harness
 from experiments.bench_core import INTRO, RESULTS
 from fl_attack import loop
-from fl_attack.testbed import data, metrics, models
+from fl_attack.testbed import data, metrics, models, photos
 
 MODULE = "experiments.wide_stall"
 COLUMNS = ("source", "seed", "texture", "mean cos of two inputs", "inactive share of ∂L/∂Z",
@@ -62,10 +62,8 @@ def batch(dataset: str, B: int, m: int, seed: int) -> dict[str, Any]:
     zero = (D == 0).double()
     both = zero @ zero.T
     jac = both / (zero.sum(1)[:, None] + zero.sum(1)[None, :] - both)
-    texture = 0.5 * ((x[:, :, 1:] - x[:, :, :-1]).abs().mean()
-                     + (x[:, :, :, 1:] - x[:, :, :, :-1]).abs().mean())
     return {"x": x, "xn": xn, "y": y, "model": model, "D": D,
-            "texture": float(texture), "cos": float((unit @ unit.T)[off].mean()),
+            "texture": float(photos.texture(x)), "cos": float((unit @ unit.T)[off].mean()),
             "inactive": float(zero.mean()), "nn_jaccard": jac.masked_fill(~off, 0).max(1).values,
             "norm": X.norm(dim=1)}
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["GREY_SOURCES", "PHOTO_SETS", "PHOTO_SOURCES", "photo_pool"]
+__all__ = ["GREY_SOURCES", "PHOTO_SETS", "PHOTO_SOURCES", "photo_pool", "texture"]
 
 #: Real RGB photographs from ``skimage.data`` that load without network access (checked with
 #: scikit-image 0.26). ``cat`` is left out (same photo as ``chelsea``), as are the synthetic
@@ -94,15 +94,21 @@ def _photos(sources: tuple[str, ...]) -> tuple[tuple[Tensor, ...], ...]:
     return tuple(out)
 
 
+def texture(images: Tensor) -> Tensor:
+    """Mean absolute difference of neighbouring pixels of ``(..., H, W)`` images, the average of
+    the vertical and the horizontal one: how textured they are (crops below ``_MIN_GRAD`` are
+    rejected as smooth), as a 0-dim tensor."""
+    return 0.5 * (
+        (images[..., 1:, :] - images[..., :-1, :]).abs().mean()
+        + (images[..., :, 1:] - images[..., :, :-1]).abs().mean()
+    )
+
+
 def _textured(crop: Tensor) -> bool:
     """Reject flat crops (black border, sky) and smooth, textureless ones."""
     if crop.flatten(1).std(dim=1).mean() < _MIN_STD:
         return False
-    grad = 0.5 * (
-        (crop[:, 1:, :] - crop[:, :-1, :]).abs().mean()
-        + (crop[:, :, 1:] - crop[:, :, :-1]).abs().mean()
-    )
-    return bool(grad >= _MIN_GRAD)
+    return bool(texture(crop) >= _MIN_GRAD)
 
 
 @contextlib.contextmanager
