@@ -59,6 +59,8 @@ from fl_attack.testbed import data, dpsgd, metrics, models, simulate
 
 MODULE = "experiments.bench_dp"
 RESULTS = harness.RESULTS_DIR / "dp.md"
+TITLE = "DP-SGD benchmark"
+"""The title of dp.md (written when the file is new)."""
 TARGET = (20, 200, 1.0)  # (B, m, f) the target (≥ 90% of batches above 25 dB) is stated for
 
 DEFAULT_SETTINGS = "20x200,150x4000"
@@ -182,10 +184,20 @@ def oracle_psnr(u: DpUpdate, xn: torch.Tensor, x: torch.Tensor, dataset: str = D
     X = Z⁺ ΔW from its estimate of Z, so this is the ceiling such an attack reaches at the
     row's noise: the noise in ΔW passes through Z⁺ even when Z is exactly right.
     """
+    return least_squares_psnr(true_columns(u, xn), u.dw, x, dataset)
+
+
+def true_columns(u: DpUpdate, xn: torch.Tensor) -> torch.Tensor:
+    """The true ∂L/∂Z (m x B, clipping factors and learning rate included), read off the
+    noise-free update of the same step with the true inputs: Z = ΔW₀ X⁺."""
     assert u.clean_dw is not None
-    X = xn.reshape(xn.shape[0], -1).double()
-    Z = u.clean_dw.double() @ torch.linalg.pinv(X)
-    Xh = torch.linalg.pinv(Z) @ u.dw.double()
+    return u.clean_dw.double() @ torch.linalg.pinv(xn.reshape(xn.shape[0], -1).double())
+
+
+def least_squares_psnr(Z: torch.Tensor, dw: torch.Tensor, x: torch.Tensor,
+                       dataset: str = DATASET) -> float:
+    """Mean PSNR against the batch ``x`` of the inputs X̂ = Z⁺ ΔW solved from columns ``Z``."""
+    Xh = torch.linalg.pinv(Z) @ dw.double()
     images = data.denormalize(Xh.float().reshape(-1, *x.shape[1:]), dataset)
     return metrics.score_batch(images, x).mean_psnr
 
@@ -393,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "118 dB (exact); σ = 1e-4 ≈ median |gradient entry| → ≈ 29 dB, 95–99% above 25 dB. "
         "SPEAR++ (CIFAR-10): B = 20, m = 200 → 31.9 dB, 75%; B = 150, m = 4000 → 55.5 dB, 88% "
         "(noise level lost; chosen around the median, shown here next to f = 1).")
-    harness.start_section(args.out, "DP-SGD benchmark", intro, section)
+    harness.start_section(args.out, TITLE, intro, section)
     t0 = time.perf_counter()
     rows = run_dp(args.settings, args.clips, args.fracs, args.batches, args.first_seed,
                   args.max_seconds, args.lr, args.delta, args.device, args.out, args.engine,

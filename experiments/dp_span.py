@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from experiments import harness
-from experiments.bench_dp import RESULTS, dp_updates
-from fl_attack.testbed import data, dpsgd, metrics, models
+from experiments.bench_dp import RESULTS, TITLE, dp_updates, least_squares_psnr, true_columns
+from fl_attack.testbed import data, dpsgd, models
 
 MODULE = "experiments.dp_span"
 EXTRA = (0, 10, 40)
@@ -37,13 +37,6 @@ EXTRA = (0, 10, 40)
 COLUMNS = ("source", "f", "batches", "weakest column's share in the top-B span: median (min)",
            *(f"PSNR from the top B+{k} span: mean / % > 25 dB" for k in EXTRA),
            "ceiling (true ∂L/∂Z): mean / % > 25 dB")
-
-
-def _psnr(Z: torch.Tensor, dw: torch.Tensor, x: torch.Tensor, dataset: str) -> float:
-    """Mean PSNR of the least-squares inputs pinv(Z) ΔW against the batch ``x``."""
-    Xh = torch.linalg.pinv(Z) @ dw
-    images = data.denormalize(Xh.float().reshape(-1, *x.shape[1:]), dataset)
-    return metrics.score_batch(images, x).mean_psnr
 
 
 def one_batch(dataset: str, seed: int, f: float, B: int, m: int,
@@ -55,13 +48,12 @@ def one_batch(dataset: str, seed: int, f: float, B: int, m: int,
     engine = dpsgd.choose_engine(model, B, "auto")  # Opacus where its per-sample grads fit
     u = dp_updates(model, xn, y, clip=clip, fracs=[f], lr=0.1, delta=1e-5, seed=seed,
                    engine=engine)[f]
-    assert u.clean_dw is not None
-    Z = u.clean_dw.double() @ torch.linalg.pinv(xn.reshape(B, -1).double())  # m x B, true
-    dw = u.dw.double()
+    Z, dw = true_columns(u, xn), u.dw.double()
     U = torch.linalg.svd(dw, full_matrices=False)[0]
     share = ((U[:, :B].T @ Z).norm(dim=0) ** 2 / Z.norm(dim=0) ** 2).min().item()
-    wide = {k: _psnr(U[:, :B + k] @ (U[:, :B + k].T @ Z), dw, x, dataset) for k in EXTRA}
-    return {"share": share, "wide": wide, "ceiling": _psnr(Z, dw, x, dataset)}
+    wide = {k: least_squares_psnr(U[:, :B + k] @ (U[:, :B + k].T @ Z), dw, x, dataset)
+            for k in EXTRA}
+    return {"share": share, "wide": wide, "ceiling": least_squares_psnr(Z, dw, x, dataset)}
 
 
 def _cell(values: Sequence[float]) -> str:
@@ -84,8 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
-    title, intro = "DP-SGD benchmark", "What the attack reads from DP-SGD updates."
-    harness.start_section(args.out, title, intro, [
+    harness.start_section(args.out, TITLE, "What the attack reads from DP-SGD updates.", [
         harness.section_heading(MODULE, argv) + ": is the top-B span where the columns are?",
         "",
         harness.machine_line(),
