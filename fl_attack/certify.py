@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import feasibility, filtering, match, polish, select, violations
+from fl_attack import feasibility, match, polish, select, violations
 from fl_attack.columns import dedupe, pattern_keys, zero_mask
 from fl_attack.pool import CandidatePool, Selection
 from fl_attack.rounds import missing_candidates
 from fl_attack.state import SearchContext, SearchState
-from fl_attack.tolerances import row_noise
 
 
 @dataclass(frozen=True)
@@ -239,61 +238,186 @@ def repair(ctx: SearchContext, state: SearchState, Q: torch.Tensor) -> torch.Ten
 
 
 KERNEL_MARGIN = 6.0
-"""A column's evidence rows pin it down when the second-smallest singular value of L on them
-exceeds this many noise units (:func:`zero_evidence`): mixtures of two similar samples stay
-far below it, true columns far above (the values: ``experiments/results/tuning.md``)."""
+"""A column's evidence rows pin it down when the second-smallest singular value of L on them,
+less what any one row carries, exceeds this many noise units (:func:`pinning`): the columns
+of two samples whose patterns nest, or differ on a single unit, and mixtures of samples
+vanishing by cancellation stay below 1, true columns of distinct samples lie 10²-10⁶ above
+(``experiments/results/duplicates.md``)."""
+
+KERNEL_RESIDUAL = 1.0
+"""A column's evidence rows are zeros of one direction when the smallest singular value of L
+on them stays below this many noise units (:func:`pinning`): true zero rows lie at 0.01-0.2,
+a row on which a mixture of samples cancels only to the zero test's tolerance (1e-4 of the
+column's largest entry for float32) hundreds of units out."""
 
 
-def zero_evidence(ctx: SearchContext, Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the zero rows of each column of ``Q`` (B, B) prove, at the update's noise level.
+@dataclass(frozen=True)
+class Pinning:
+    """Whether each column of a full basis is proven by its own zero rows.
 
-    A column's zero test is relative (``ctx.zero_rtol`` of its largest entry), far above the
-    rounding noise, so near-cancellations pass it too: on a narrow layer a mixture of samples
-    vanishes to 1e-5 of its largest entry on a dozen rows of L. A true column's zero rows lie
-    within a few noise stds (``filtering.noise_scales``), near-cancellations tens to hundreds
-    of stds out. The evidence rows are the live rows (a row of L that is exactly zero, a unit
-    no sample activates, vanishes for every direction) within ``filtering.CLEAR_ZERO_SD``
-    noise stds. They pin the column down when the kernel of L on them is one-dimensional: a
-    mixture of samples vanishes only where all of them do, where every one of them vanishes
-    too (a kernel of dimension ≥ 2, its second singular value at the noise level).
+    SPEAR's Theorem 3.3: a column q_i of Q is the kernel of L on the sample's zero rows when
+    ∂L/∂Z has rank B - 1 there. Checked on the reconstruction itself, a column is *pinned*
+    when its evidence rows (zero rows of the column on which the reconstructed sample leaves
+    the unit inactive) have a common kernel at the noise level (:data:`KERNEL_RESIDUAL`),
+    the column is that kernel, and the kernel is one-dimensional and stays so without any one
+    of the rows (:data:`KERNEL_MARGIN`). λ = 1 alone does not prove a batch: when the inactive
+    units of one sample are all inactive for another too (their ReLU patterns nest), both
+    columns vanish on the first sample's zero rows, so does every mixture of them, and a
+    one-parameter family of reconstructions of the pair has λ = 1. A mixture of k samples can
+    cancel exactly on k - 1 further rows (one per ratio) and be pinned by those alone; without
+    any one of them it is not, while a sample's column rests on all its zero rows. So with
+    every column pinned, a wrong column would need one more exact cancellation than its
+    ratios allow: a coincidence at the update's precision (``docs/algorithm.md``, "The
+    certificate").
+    """
 
-    Returns
-    -------
-    (counts (B,), margins (B,))
-        The evidence rows per column, and the second-smallest singular value of L on them
-        over the noise it would have if the kernel were two-dimensional, ‖ν / s‖ times the
-        square root of the row count (0 with fewer than B rows).
+    margins: torch.Tensor
+    """(B,) per column: the second-smallest singular value of L on its evidence rows, times
+    √(1 - the largest leverage of a row in it), in noise units (0 with fewer than B rows)."""
+    residuals: torch.Tensor
+    """(B,) per column: the larger of the smallest singular value of L on its evidence rows
+    and of the column's own residual there, in noise units (inf with fewer than B rows)."""
+    kernels: torch.Tensor
+    """(B, B) per column, the unit kernel of L on its evidence rows (the column itself where
+    it has fewer than B rows), signed as the column."""
+    pinned: torch.Tensor
+    """(B,) bool, the columns its evidence rows prove."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Columns (= rows of the reconstructed inputs) read only up to a mixture of each other:
+    each column not pinned with the columns that vanish on its evidence rows too (all but
+    the row it rests on most)."""
+
+    @property
+    def all(self) -> bool:
+        """Every column pinned."""
+        return bool(self.pinned.all())
+
+
+def pinning(ctx: SearchContext, Q: torch.Tensor,
+            lam: match.Match | None = None) -> Pinning:
+    """Which columns of a full basis ``Q`` (B, B) their zero rows prove (:class:`Pinning`).
+
+    Evidence rows of a column: the live rows where it passes the zero test and, with the
+    layer's weight and bias, where the reconstruction leaves the unit inactive (the λ₋
+    entries of ``lam``, the match of ``Q``, computed when not given: a chance zero, an
+    active unit with a tiny gradient, is no evidence).
     """
     L = ctx.L
     Qd = Q.to(L)
-    noise = row_noise(ctx.dec, L.device)
-    scale = filtering.noise_scales(Qd, noise)
-    near = (L @ Qd).abs() <= filtering.CLEAR_ZERO_SD * scale[None, :]
-    near &= (L.abs().amax(dim=1) > 0)[:, None]
-    counts = near.sum(dim=0)
+    rows = zero_mask(L @ Qd, ctx.zero_rtol) & (L.abs().amax(dim=1) > 0)[:, None]
+    if lam is None and ctx.system.WR is not None:
+        lam = match.sparsity_match(Qd, ctx.system)
+    if lam is not None:
+        assert ctx.system.bias is not None
+        Z = lam.H / lam.s + ctx.system.bias[:, None]
+        rows &= Z <= ctx.system.z_band * Z.abs().amax(dim=0, keepdim=True)
+    margins, residuals, kernels, lean = _kernels(ctx, Qd, rows)
+    pinned = (margins > KERNEL_MARGIN) & (residuals < KERNEL_RESIDUAL)
+    groups = _mix_groups(ctx, Qd, rows, pinned, lean)
+    return Pinning(margins=margins, residuals=residuals, kernels=kernels, pinned=pinned,
+                   groups=groups)
+
+
+@dataclass(frozen=True)
+class Proof:
+    """The final basis of a clean single-step search as the certificate judges it."""
+
+    Q: torch.Tensor
+    """(B, B) the basis, each column whose evidence rows pin it replaced by their kernel."""
+    lam: match.Match | None
+    """λ of ``Q``."""
+    pinning: Pinning
+    """The pinning of ``Q``."""
+
+
+def prove(ctx: SearchContext, Q: torch.Tensor) -> Proof:
+    """Settle a full basis ``Q`` (B, B) on its zero rows and judge it (:class:`Proof`).
+
+    Each column whose evidence rows pin their kernel is replaced by that kernel (the search's
+    last swaps and completions may leave a column off it by more than the noise; the zero
+    rows, not the column as found, define the sample), unless that lowers λ; then the
+    :func:`pinning` of the result.
+    """
+    lam = match.sparsity_match(Q, ctx.system)
+    first = pinning(ctx, Q, lam)
+    settle = (first.margins > KERNEL_MARGIN) & torch.isfinite(first.residuals)
+    if bool(settle.any()):
+        fitted = torch.where(settle[None, :], first.kernels.to(Q), Q)
+        lam_fit = match.sparsity_match(fitted, ctx.system)
+        if lam is None or (lam_fit is not None and lam_fit.value >= lam.value):
+            Q, lam = fitted, lam_fit
+            first = pinning(ctx, Q, lam)
+    return Proof(Q=Q, lam=lam, pinning=first)
+
+
+def _kernels(ctx: SearchContext, Q: torch.Tensor, rows: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per column of ``Q`` (B, B) and its ``rows`` (m, B): the singular values of L on the
+    rows in noise units (the second-smallest less the largest leverage; the smallest, or the
+    column's own residual there if larger), the unit kernel, and the row it leans on most
+    (-1 where it has fewer than B rows).
+
+    The noise unit is what the second-smallest singular value would be if the kernel there
+    were two-dimensional: ‖ν / s‖ times the square root of the row count, ν floored at
+    float64 rounding of the largest singular value. Without row j the second-smallest value
+    is at least σ_{B-1} √(1 - h_j), h_j the leverage of row j in the span orthogonal to the
+    kernel (Courant-Fischer; the squared norm of the row's first B - 1 left singular
+    coordinates).
+    """
+    L, dec = ctx.L, ctx.dec
     B = L.shape[1]
+    eps = torch.finfo(torch.float64).eps * float(dec.singular_values[0])
+    S = dec.singular_values[:B].to(device=L.device, dtype=torch.float64)
+    noise = float((max(dec.noise_std, eps) / S.clamp_min(torch.finfo(S.dtype).tiny)).norm())
+    counts = rows.sum(dim=0)
     margins = torch.zeros(B, dtype=L.dtype, device=L.device)
+    residuals = torch.full((B,), float("inf"), dtype=L.dtype, device=L.device)
+    kernels = Q.clone()
+    lean = torch.full((B,), -1, dtype=torch.long, device=L.device)
+    if B < 2:
+        return margins.fill_(float("inf")), residuals.fill_(0.0), kernels, lean
     for k in torch.nonzero(counts >= B).squeeze(1).tolist():
-        rows = L[near[:, k]]
-        sv = torch.linalg.svdvals(rows)
-        margins[k] = sv[B - 2] / (float(noise.norm()) * rows.shape[0] ** 0.5)
-    return counts, margins
+        idx = torch.nonzero(rows[:, k]).squeeze(1)
+        A = L[idx]
+        U, sv, Vh = torch.linalg.svd(A, full_matrices=False)
+        h = U[:, :B - 1].square().sum(dim=1)
+        unit = noise * idx.numel() ** 0.5
+        top = int(h.argmax())
+        v = Vh[B - 1]
+        kernels[:, k] = v if float(v @ Q[:, k]) >= 0 else -v
+        margins[k] = sv[B - 2] * max(1.0 - float(h[top]), 0.0) ** 0.5 / unit
+        residuals[k] = max(float(sv[B - 1]), float((A @ Q[:, k]).norm())) / unit
+        lean[k] = idx[top]
+    return margins, residuals, kernels, lean
+
+
+def _mix_groups(ctx: SearchContext, Q: torch.Tensor, rows: torch.Tensor, pinned: torch.Tensor,
+                lean: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """Each column not pinned with the columns that also vanish on its evidence ``rows`` but
+    the one it ``lean``s on most, overlapping groups merged: the samples read only up to a
+    mixture of each other."""
+    zero = zero_mask(ctx.L @ Q, ctx.zero_rtol)
+    groups: list[set[int]] = []
+    for k in torch.nonzero(~pinned).squeeze(1).tolist():
+        on = rows[:, k].clone()
+        if int(lean[k]) >= 0:
+            on[int(lean[k])] = False
+        group = {k} | {j for j in range(Q.shape[1]) if j != k and bool(on.any())
+                       and bool(zero[on, j].all())}
+        for other in [g for g in groups if g & group]:
+            group |= other
+            groups.remove(other)
+        groups.append(group)
+    return tuple(tuple(sorted(g)) for g in sorted(groups, key=min))
 
 
 def supported(ctx: SearchContext, Q: torch.Tensor) -> bool:
-    """Whether a full basis ``Q`` (B, B) carries the evidence its certificate needs.
+    """Whether a full basis ``Q`` (B, B) with λ = 1 proves its batch: every column pinned
+    (:func:`pinning`), on a single-step update.
 
-    The single-step λ checks every entry of every column both ways and needs nothing more.
-    The FedAvg λ (``AttackConfig.update="fedavg"``) checks only that zero rows are inactive
-    units, which a column without zeros passes by default and a mixture of samples passes
-    on the rows where all of them are inactive. There every column must show at least
-    ``ctx.min_zeros`` zero rows at the noise level, as many as a true column needs to enter
-    the pool, on which it is the only direction (kernel margin above :data:`KERNEL_MARGIN`)
-    (:func:`zero_evidence`). A sample whose inactive units all are inactive for another
-    sample too has no such rows: its batch is then not certified (the zeros cannot tell its
-    column from its mixtures with the other one).
+    A FedAvg sum (``AttackConfig.update="fedavg"``) is never proven: its λ checks only that
+    zero rows are inactive units at W₀ (a sample may activate a unit at a later step), and a
+    mixture of samples whose patterns nearly coincide passes that test and the pinning on
+    the rows where it cancels within the float32 rounding of ``W₀ - W_E``.
     """
-    if not ctx.system.subset:
-        return True
-    counts, margins = zero_evidence(ctx, Q)
-    return bool(((counts >= ctx.min_zeros) & (margins > KERNEL_MARGIN)).all())
+    return not ctx.system.subset and pinning(ctx, Q).all

@@ -38,9 +38,9 @@ class AttackConfig:
     full-batch local steps from ``weight``/``bias`` = W₀: a column sums its sample's gradients
     over the steps, so its zero rows are the units inactive at *every* step, a subset of those
     inactive at W₀. λ then counts a zero row as matching when the reconstruction is inactive
-    there at W₀ (and every non-zero row), so λ = 1 certifies "every zero is explained by W₀";
-    a mixture of samples passes that test where all of them are inactive, so the certificate also
-    needs every column pinned down by enough zero rows at the noise level (``certify.supported``);
+    there at W₀ (and every non-zero row), so λ = 1 says "every zero is explained by W₀";
+    a mixture of samples passes that test where all of them are inactive, and such a reading is
+    never certified (``certify.supported``; ``docs/algorithm.md``, "The certificate");
     the zero threshold τ drops to :data:`FEDAVG_TAU` (columns lose zeros as training drifts); the
     completions use only the most negative rows of a missing sample's W₀ pattern. With mini-batches
     the inclusion holds only approximately (a sample's first step is not at W₀), still better than

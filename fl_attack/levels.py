@@ -26,6 +26,7 @@ from fl_attack.result import Reconstruction, build_reconstruction
 from fl_attack.scale import make_system, reconstruct
 from fl_attack.state import SearchContext, SearchState, search_context
 from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.untangle import untangle
 from fl_attack.validation import LayerUpdate
 
 
@@ -89,10 +90,35 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         state.match = sparsity_match(Q, ctx.system)
     else:
         Q = found.Q
+    complete = found.n_found == ctx.B and not ctx.noisy
+    pins = None
+    if complete:
+        t0 = time.perf_counter()
+        if ctx.system.subset:
+            pins = certify.pinning(ctx, Q, state.match)
+        else:
+            proof = certify.prove(ctx, Q)
+            Q, state.match, pins = proof.Q, proof.lam, proof.pinning
+        clock.tick("certify", t0)
     t0 = time.perf_counter()
     X, s = reconstruct(Q, ctx.system)
     clock.tick("reconstruct", t0)
     lam = state.match
+    mixed = pins.groups if pins is not None else ()
+    proven = pins is not None and pins.all and not ctx.system.subset
+    untangled = 0
+    if mixed and found.rows2 is not None and not ctx.system.subset:
+        t0 = time.perf_counter()
+        read = untangle(ctx, Q, X, mixed, found.rows2, layer.precision, clock.finish_deadline)
+        clock.tick("untangle", t0)
+        if read.groups:
+            X = X.clone()
+            X[list(read.columns)] = read.inputs.to(X)
+            mixed = tuple(g for g in mixed if g not in read.groups)
+            untangled = len(read.columns)
+            assert pins is not None
+            loose = torch.nonzero(~pins.pinned).squeeze(1).tolist()
+            proven = set(loose) <= set(read.columns)
     return build_reconstruction(
         X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
         sparsity_match=lam.value if lam is not None else None,
@@ -101,7 +127,8 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
         noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
         n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
-        peeled=found.peeled, supported=certify.supported(ctx, Q), stopped=found.stopped,
+        peeled=found.peeled, stopped=found.stopped, supported=proven, mixed=mixed,
+        untangled=untangled,
     )
 
 
@@ -124,6 +151,8 @@ class _Found:
     stopped: str = ""
     """Why this level's search ended (``SearchState.stopped``; with peeling, the last level's,
     or ``"budget"`` when a level ran out of time)."""
+    rows2: torch.Tensor | None = None
+    """(B, m) the next layer's activation span (``peel.next_layer_rows``), when given."""
 
 
 def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
@@ -163,7 +192,8 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
     while True:
         Q, n_found = loop.search(ctx, state, pool)
         here = _Found(ctx, state, Q, n_found, rounds=state.rounds, n_candidates=len(pool),
-                      swaps=state.swaps, exhausted=state.exhausted, stopped=state.stopped)
+                      swaps=state.swaps, exhausted=state.exhausted, stopped=state.stopped,
+                      rows2=rows2)
         peeled, state.peeled = state.peeled, None
         if peeled is None:
             return here

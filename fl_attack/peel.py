@@ -48,6 +48,12 @@ the signal); otherwise the full, noise-aware ``decompose`` decides."""
 RESIDUAL_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 """Largest relative residual of the active units' system W x + b = t h that verifies a sample."""
 
+UNIQUE_RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+"""Least σ_min/σ_max of the active units' system [W Rᵀ, -H] (columns scaled to unit norm) for
+its solution to be the one
+sample: below it the system is singular to the gradient's precision (two samples with the
+same pattern on those units: every mixture of them solves it)."""
+
 MAX_CHANCE_ZEROS = 0.002
 """Share of the m units (at least one unit) that may be zero in the column although the
 recovered sample keeps them active (chance zeros: ∂L/∂Z tiny at an active unit); more and the
@@ -113,6 +119,45 @@ def _kernel(rows2: torch.Tensor, zero: torch.Tensor, tol: float
     return None, zero
 
 
+def recover_sample(zero: torch.Tensor, rows2: torch.Tensor, WR: torch.Tensor,
+                   bias: torch.Tensor, *, z_band: float,
+                   precision: torch.dtype) -> torch.Tensor | None:
+    """The coordinates c (B,) of the one sample, x = cᵀ R, whose inactive units are the rows
+    ``zero`` (m,) up to chance zeros, verified against the next layer; None when there is no
+    such sample or more than one.
+
+    The activations of the next layer's span ``rows2`` (B, m) that vanish on ``zero`` (less
+    chance zeros, :func:`_kernel`) give h; on the active units W x + b = H t. The sample is
+    verified when that system has one solution (:data:`UNIQUE_RTOL`: two samples with the same
+    pattern make it singular, every mixture of them solving it), holds to
+    :data:`RESIDUAL_RTOL`, every unit the kernel leaves at zero is inactive, every inactive
+    unit is in ``zero``, and at most :data:`MAX_CHANCE_ZEROS` x m rows of ``zero`` stay active.
+    """
+    m, B = WR.shape
+    tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]
+    H, kept = _kernel(rows2, zero, tol)
+    if H is None:
+        return None
+    active = ~kept
+    if H.shape[1] == 1:  # the activation itself: its support is the active set
+        active = H[:, 0].abs() > 1e-5 * H[:, 0].abs().max()
+    A = torch.cat([WR[active], -H[active]], dim=1)
+    sv = torch.linalg.svdvals(A / A.norm(dim=0).clamp_min(torch.finfo(A.dtype).tiny))
+    if not float(sv[-1]) > UNIQUE_RTOL[precision] * float(sv[0]):
+        return None
+    sol = torch.linalg.lstsq(A, -bias[active, None]).solution[:, 0]
+    resid = float((A @ sol + bias[active]).norm() / bias[active].norm().clamp_min(1e-300))
+    c = sol[:B]
+    z = WR @ c + bias
+    band = z_band * float(z.abs().max())
+    inactive = z < -band
+    chance = int((zero & (z > band)).sum())  # zero rows the sample keeps active
+    if (resid > res_tol or bool((z[~active] > band).any())
+            or bool((inactive & ~zero).any()) or chance > max(1.0, MAX_CHANCE_ZEROS * m)):
+        return None
+    return c
+
+
 def recover(
     columns: torch.Tensor,
     L: torch.Tensor,
@@ -126,14 +171,11 @@ def recover(
     precision: torch.dtype,
     deadline: float | None = None,
 ) -> Peeled:
-    """The samples behind ``columns`` (B, K), each verified on its own.
+    """The samples behind ``columns`` (B, K), each verified on its own
+    (:func:`recover_sample` on the column's zero rows).
 
-    ``WR`` = W Rᵀ (``LayerSystem.WR``). A sample is verified when its zero rows (less chance
-    zeros) have a kernel in the next layer's rows, the active units' system W x + b = t h holds
-    to :data:`RESIDUAL_RTOL`, every unit the kernel vector leaves at zero is inactive, every
-    inactive unit is a zero row of the column, and at most :data:`MAX_CHANCE_ZEROS` x m zero
-    rows stay active. Past ``deadline`` (a ``time.perf_counter()`` value, checked between
-    columns) the remaining columns are not tried (reported as not verified).
+    Past ``deadline`` (a ``time.perf_counter()`` value, checked between columns) the
+    remaining columns are not tried (reported as not verified).
 
     Parameters
     ----------
@@ -144,7 +186,7 @@ def recover(
     rows2 : (B, m)
         The next layer's activation span (:func:`next_layer_rows`).
     WR : (m, B), bias : (m,)
-        The layer's products.
+        The layer's products (``LayerSystem.WR`` = W Rᵀ).
     zero_rtol, z_band, precision
         The tolerances and the gradient's precision.
 
@@ -153,34 +195,18 @@ def recover(
     Peeled
         The verified samples, their coordinates and columns, and which columns verified.
     """
-    m, B = L.shape
-    tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]
+    B = L.shape[1]
     V = L @ columns
     coords, kept = [], []
     for k in range(V.shape[1]):
         if k > 0 and passed(deadline):
             break
         v = V[:, k]
-        zero0 = v.abs() <= zero_rtol * v.abs().max()
-        H, zero = _kernel(rows2, zero0, tol)
-        if H is None:
-            continue
-        active = ~zero
-        if H.shape[1] == 1:  # the activation itself: its support is the active set
-            active = H[:, 0].abs() > 1e-5 * H[:, 0].abs().max()
-        A = torch.cat([WR[active], -H[active]], dim=1)
-        sol = torch.linalg.lstsq(A, -bias[active, None]).solution[:, 0]
-        resid = float((A @ sol + bias[active]).norm() / bias[active].norm().clamp_min(1e-300))
-        c = sol[:B]
-        z = WR @ c + bias
-        band = z_band * float(z.abs().max())
-        inactive = z < -band
-        chance = int((zero0 & (z > band)).sum())  # zero rows the sample keeps active
-        if (resid > res_tol or bool((z[~active] > band).any())
-                or bool((inactive & ~zero0).any()) or chance > max(1.0, MAX_CHANCE_ZEROS * m)):
-            continue
-        coords.append(c)
-        kept.append(k)
+        c = recover_sample(v.abs() <= zero_rtol * v.abs().max(), rows2, WR, bias,
+                           z_band=z_band, precision=precision)
+        if c is not None:
+            coords.append(c)
+            kept.append(k)
     verified = torch.zeros(V.shape[1], dtype=torch.bool, device=L.device)
     if not kept:
         empty = torch.empty(0, B, dtype=L.dtype, device=L.device)

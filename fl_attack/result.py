@@ -25,12 +25,12 @@ class Reconstruction:
     indistinguishable from zero count as matches when they are the only mismatches and no
     more than chance explains (``chance_zeros``; ``match.sparsity_match``)."""
     exact: bool
-    """True when λ = 1 with all B directions found and no noise detected (with
-    ``update="fedavg"`` also every column with enough zero rows at the noise level,
-    ``certify.supported``): the reconstruction is certified without ground truth. Never
-    under noise (DP-SGD): there λ counts agreement within a noise tolerance, and with
-    ``update="fedavg"`` (which checks only that zero rows are inactive units) a noisy update
-    can reach λ = 1 without being exact; report PSNR."""
+    """True when λ = 1 with all B directions found, no noise detected and every column pinned
+    down by its own zero rows (``certify.pinning``: SPEAR Theorem 3.3 checked on the
+    reconstruction; a group of samples whose patterns nest counts only when read through the
+    next layer, ``untangled``): the reconstruction is certified without ground truth. Never
+    under noise (DP-SGD), where λ counts agreement within a noise tolerance, and never for
+    ``update="fedavg"``, whose λ checks only that zero rows are inactive units: report PSNR."""
     n_directions: int
     """Directions found by the search; < B means a partial reconstruction, in which *no* sample
     is guaranteed: every row of Q⁻¹ depends on all B columns."""
@@ -41,6 +41,8 @@ class Reconstruction:
     n_candidates: int = 0
     swaps: int = 0
     noise_std: float = 0.0
+    noisy: bool = False
+    """Noise was detected on the update (``tolerances.noisy_update``): never certified."""
     scales: torch.Tensor | None = None
     """Per-sample scale of ∂L/∂Z columns (sign tells nothing; magnitude ~ per-sample loss grad)."""
     column_match: torch.Tensor | None = None
@@ -59,6 +61,17 @@ class Reconstruction:
     reading_scores: tuple[float, ...] = ()
     """The criterion of each reading in ``batch_size_readings`` (``readings.criterion``, smaller
     is better: the returned one has the smallest)."""
+    mixed: tuple[tuple[int, ...], ...] = ()
+    """Groups of samples (row indices of ``inputs``) that the update determines only up to a
+    mixture of each other: their ReLU patterns nest (every unit inactive for one is inactive
+    for another), so a family of reconstructions of the group has λ = 1 and this layer alone
+    cannot tell which is the batch (``certify.Pinning``). A batch with such a group is never
+    certified; its other samples are read as usual. Empty for noisy or partial
+    reconstructions."""
+    untangled: int = 0
+    """Samples of groups the layer read only up to a mixture that were then read exactly,
+    each verified on its own, through the next layer's weight gradient
+    (``fl_attack.untangle``)."""
     budget_exhausted: bool = False
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best
@@ -93,10 +106,14 @@ class Reconstruction:
             "n_candidates": self.n_candidates,
             "swaps": self.swaps,
             "noise_std": self.noise_std,
+            "noisy": self.noisy,
+            "update": self.config.update if self.config is not None else "gradient",
             "chance_zeros": self.chance_zeros,
             "peeled": self.peeled,
             "budget_exhausted": self.budget_exhausted,
             "stopped": self.stopped,
+            "mixed": [list(group) for group in self.mixed],
+            "untangled": self.untangled,
             "batch_size_readings": list(self.batch_size_readings),
             "reading_scores": [round(v, 1) for v in self.reading_scores],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
@@ -120,8 +137,9 @@ def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
     nonnegative
         The input side's extra condition (every recovered input a possible ReLU output).
     supported
-        The FedAvg certificate's extra condition: every column has enough zero rows at the
-        noise level for λ's inclusion test to mean something (``certify.supported``).
+        Every column is pinned down by its own zero rows (``certify.supported``; SPEAR
+        Theorem 3.3 checked on the reconstruction): without it λ = 1 does not single out the
+        batch.
 
     Returns
     -------
@@ -154,6 +172,8 @@ def build_reconstruction(
     nonnegative: bool = True,
     supported: bool = True,
     stopped: str = "",
+    mixed: tuple[tuple[int, ...], ...] = (),
+    untangled: int = 0,
 ) -> Reconstruction:
     """The :class:`Reconstruction` of either side of the attack.
 
@@ -179,6 +199,9 @@ def build_reconstruction(
     stopped
         Why the search ended (``state.STOP_REASONS``); ``"certified"`` becomes ``"lambda"``
         when the certificate's other conditions fail (``nonnegative``, ``supported``).
+    mixed, untangled
+        The samples read only up to a mixture of each other (``certify.Pinning.groups``),
+        and those of such groups read exactly through the next layer.
 
     Returns
     -------
@@ -192,23 +215,10 @@ def build_reconstruction(
     if stopped == "certified" and not exact:
         stopped = "lambda"
     return Reconstruction(
-        inputs=inputs.cpu(),
-        batch_size=batch_size,
-        sparsity_match=sparsity_match,
-        exact=exact,
-        n_directions=n_found,
-        method=cfg.method,
-        seconds=clock.elapsed(),
-        timings=clock.timings,
-        rounds=rounds,
-        n_candidates=n_candidates,
-        swaps=swaps,
-        noise_std=noise_std,
-        scales=scales.cpu(),
-        column_match=col,
-        config=cfg,
-        chance_zeros=chance_zeros,
-        peeled=peeled,
-        budget_exhausted=exhausted,
-        stopped=stopped,
+        inputs=inputs.cpu(), batch_size=batch_size, sparsity_match=sparsity_match, exact=exact,
+        n_directions=n_found, method=cfg.method, seconds=clock.elapsed(),
+        timings=clock.timings, rounds=rounds, n_candidates=n_candidates, swaps=swaps,
+        noise_std=noise_std, noisy=noisy, scales=scales.cpu(), column_match=col, config=cfg,
+        chance_zeros=chance_zeros, peeled=peeled, budget_exhausted=exhausted,
+        stopped=stopped, mixed=mixed, untangled=untangled,
     )

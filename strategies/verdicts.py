@@ -7,9 +7,11 @@ answer, not as a crash report:
 ==================  ===========================================================================
 ``certified``       every sample of the batch was reconstructed and the reconstruction carries
                     the attack's certificate (sparsity match λ = 1 with all B directions, no
-                    noise): exact without any ground truth
+                    noise, every sample's column pinned down by its own zero rows, one
+                    gradient step): exact without any ground truth
 ``not-certified``   a full reconstruction without the certificate; ``reason`` says why (λ < 1,
-                    noise detected, the time budget ended the search); its quality is only
+                    noise detected, samples read only up to a mixture of each other, a sum of
+                    local steps, the time budget ended the search); its quality is only
                     known from PSNR against the ground truth
 ``partial``         k of B directions found: a reconstruction in which no sample is guaranteed
 ``protected``       the update does not reveal the batch to this attack; ``reason`` says why
@@ -106,6 +108,26 @@ def protected_reason(reason: str, rank: int, limit: int) -> str:
             "more than the attacked layer can separate, or noise swamps the signal")
 
 
+def _unproven(result: dict[str, Any]) -> str:
+    """Why a full reconstruction with λ = 1 is not certified (``Reconstruction.as_dict()``)."""
+    mixed = result.get("mixed") or []
+    if result.get("noisy", True) and not mixed:
+        sigma = float(result.get("noise_std") or 0.0)
+        return (f"noise detected on the update (σ ≈ {sigma:.2e}): a noisy update is never "
+                "certified; see PSNR")
+    if mixed:
+        count = sum(len(group) for group in mixed)
+        return (f"λ = 1, but {count} samples are read only up to a mixture of each other "
+                f"(groups {mixed}): their ReLU patterns nest or differ on a single unit, so "
+                "this layer's update does not single them out; the other samples are read as "
+                "usual")
+    if result.get("update") == "fedavg":
+        return ("read as a sum of local steps (FedAvg): λ = 1 shows the reconstruction "
+                "consistent with the update, which for a sum proves nothing; see PSNR")
+    return ("λ = 1, but not every sample's column is pinned down by its own zero rows, so "
+            "the update does not prove this reconstruction")
+
+
 def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     """``(status, reason)`` of a finished attack from its summary (``Reconstruction.as_dict()``).
 
@@ -120,10 +142,8 @@ def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     lam = result.get("sparsity_match")
     if lam is None:
         return NOT_CERTIFIED, "no certificate without the layer's weights and bias"
-    if lam >= 1.0:  # every pattern matches, yet not exact: the library saw noise
-        sigma = float(result.get("noise_std") or 0.0)
-        return NOT_CERTIFIED, (f"noise detected on the update (σ ≈ {sigma:.2e}): a noisy "
-                               "update is never certified; see PSNR")
+    if lam >= 1.0:  # every pattern matches, yet not exact: say which condition failed
+        return NOT_CERTIFIED, _unproven(result)
     why = f"λ = {lam:.4f} < 1: some samples' activation patterns do not match the update"
     if result.get("budget_exhausted"):
         why += "; the time budget ended the search"

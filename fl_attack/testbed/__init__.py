@@ -6,6 +6,7 @@ Everything an experiment, a simulated client or a test needs to *produce* an upd
 ========================  =====================================================================
 ``testbed.data``          real images offline (photo crops, MNIST), torchvision datasets, batches
 ``testbed.photos``        the crop pools of real photographs behind ``testbed.data``
+``testbed.views``         near-duplicates in a batch: augmented views of an image, repeats
 ``testbed.models``        the papers' ReLU MLPs; per-layer gradients and inputs of a batch
 ``testbed.cnn``           Flower's quickstart CNN, a wider CNN, the quickstart's training step
 ``testbed.simulate``      one client's local training: FedSGD, FedAvg, DP-SGD (``testbed.dpsgd``)

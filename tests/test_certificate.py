@@ -1,0 +1,166 @@
+"""When λ = 1 proves a batch: the certificate on batches holding near-duplicate samples.
+
+λ = 1 with all B directions is necessary, not sufficient. When one sample's inactive units
+are all inactive for another too (their ReLU patterns nest), a one-parameter family of
+reconstructions of the pair has λ = 1, and the layer's update cannot say which one is the
+batch. The certificate therefore also asks every column to be pinned down by its own zero
+rows (``certify.pinning``: SPEAR's Theorem 3.3 checked on the reconstruction, robust to
+losing any one row). The situations are built directly from real images and the batch's
+true ∂L/∂Z, so that they hold on any CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fl_attack
+from fl_attack import certify
+from fl_attack.columns import normalize_columns, zero_mask
+from fl_attack.testbed import data, models, views
+from strategies import verdicts
+from tests.conftest import RealBatch, compute_output_grad
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _batch_with(x: torch.Tensor, y: torch.Tensor, model: torch.nn.Module,
+                name: str = "photos32") -> RealBatch:
+    """The first layer's update of the batch ``x``, ``y`` (images in [0, 1]) through
+    ``model``, with its true inputs and ∂L/∂Z."""
+    xn = data.normalize(x, name)
+    G, g = models.layer_gradients(model, xn, y, layer=0)
+    lin = models.linear_layers(model)[0]
+    return RealBatch(name=name, x=x, y=y, model=model, layer=0, G=G, g=g,
+                     W=lin.weight.detach(), b=lin.bias.detach(),
+                     X=models.layer_inputs(model, xn).double(),
+                     D=compute_output_grad(model, xn, y))
+
+
+def _nested_pair(seed: int = 6) -> tuple[RealBatch, torch.Tensor]:
+    """B = 20 photo crops through a fresh (3072, 200) MLP, sample 1 a copy of sample 0
+    moved across the hyperplane of the unit where sample 0 is least active, halfway to the
+    next unit's: sample 1's active units are sample 0's less that one (the patterns nest).
+    Returns the batch and the two samples' patterns (2, m)."""
+    x, y = data.sample_batch("photos32", 20, seed=seed)
+    model = models.relu_mlp(x[0].numel(), 200, 3, seed=seed)
+    lin = models.linear_layers(model)[0]
+    W, b = lin.weight.detach().double(), lin.bias.detach().double()
+    xn = data.normalize(x, "photos32").flatten(1).double()
+    z = W @ xn[0] + b
+    j = int(torch.where(z > 0, z, torch.full_like(z, float("inf"))).argmin())
+    u = -W[j] / W[j].norm()
+    rate = W @ u
+    flips = -z / rate  # the step along u at which each unit changes sign
+    flips[j] = float("inf")
+    step = 0.5 * (float(z[j]) / float(W[j].norm()) + float(flips[flips > 0].min()))
+    x = x.clone()
+    moved = (xn[0] + step * u).float().reshape(1, *x.shape[1:])
+    x[1] = data.denormalize(moved, "photos32")[0]
+    y = y.clone()
+    y[1] = y[0]
+    t = _batch_with(x, y, model)
+    Z = t.X[:2] @ W.T + b
+    return t, Z > 0
+
+
+def test_a_nested_pair_has_a_family_of_lambda_one_bases_and_no_certificate(
+        output_side, image_score) -> None:
+    """Sample 1's active units are sample 0's less one. The true basis has λ = 1 and
+    reconstructs every image exactly, yet it is not certified: sample 0's column shares
+    every zero row with sample 1's, so its kernel there is two-dimensional (not pinned), and
+    the pinning names the pair as read only up to a mixture. Moving sample 0's column
+    towards sample 1's keeps λ = 1 and moves one reconstructed image: the update cannot tell
+    which of them is the batch, and no member of the family is certified."""
+    t, active = _nested_pair()
+    assert int((active[0] & ~active[1]).sum()) == 1 and not bool((active[1] & ~active[0]).any())
+    side = output_side(t.G, t.g, t.W, t.b)
+    Qt = side.basis(t.D)
+    assert side.lam(Qt) == 1.0
+    assert float(image_score(side.reconstruct(Qt), t.x, "photos32").psnr.min()) > 90.0
+    pins = certify.pinning(side.ctx, Qt)
+    assert not bool(pins.pinned[0]) and pins.pinned[2:].all()
+    assert (0, 1) in pins.groups
+    assert not side.certified(Qt)
+    other = Qt.clone()
+    other[:, 0] = normalize_columns(Qt[:, :1] - 0.05 * Qt[:, 1:2])[:, 0]
+    assert side.lam(other) == 1.0 and not side.certified(other)
+    moved = side.reconstruct(other)
+    truth = side.reconstruct(Qt)
+    assert float((moved - truth).norm(dim=1).max() / truth.norm(dim=1).max()) > 1e-4
+
+
+def test_the_attack_never_certifies_a_nested_pair(promises) -> None:
+    """The default attack on the nested pair: whatever its search returns, no certificate,
+    and a full λ = 1 result names the samples it read only up to a mixture; the record's
+    reason says so in words."""
+    t, _ = _nested_pair()
+    rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, max_seconds=60)
+    promises(rec, t.x, "photos32")
+    assert not rec.exact
+    summary = rec.as_dict()
+    if rec.sparsity_match == 1.0 and not rec.partial:
+        assert rec.mixed and all(len(group) >= 2 for group in rec.mixed)
+        status, reason = verdicts.reconstruction_verdict(summary)
+        assert status == verdicts.NOT_CERTIFIED and "mixture" in reason
+
+
+def test_a_mixture_pinned_only_by_the_rows_where_it_cancels_is_not_pinned(
+        real_batch, output_side) -> None:
+    """Two samples of a real batch sharing most zero rows; their mixture made to vanish
+    exactly on one row where both are active (a ratio for a row). It is the kernel of L on
+    the shared zero rows and that row, a one-dimensional kernel: pinned by its rows, like a
+    sample's column. Without that one row it is not, and the pinning, which asks every
+    column to stay pinned without any one of its rows, refuses it; the true columns pass."""
+    t = real_batch("photos32", 20, 200, seed=0)
+    side = output_side(t.G, t.g, t.W, t.b)
+    Qt = side.basis(t.D)
+    assert certify.pinning(side.ctx, Qt).all
+    a = side.most_similar(Qt)[0]
+    V = side.dec.L @ Qt
+    zero = zero_mask(V, side.system.zero_rtol)
+    both = torch.nonzero(~zero[:, 0] & ~zero[:, a]).squeeze(1)
+    r = int(both[0])
+    ratio = float(V[r, 0] / V[r, a])
+    Q = Qt.clone()
+    Q[:, 0] = normalize_columns(Qt[:, :1] - ratio * Qt[:, a:a + 1])[:, 0]
+    rows = zero_mask(side.dec.L @ Q, side.system.zero_rtol)[:, 0]
+    sv = torch.linalg.svdvals(side.dec.L[rows])
+    assert float(sv[-2]) > 1e3 * float(sv[-1])  # the situation: pinned by its rows
+    pins = certify.pinning(side.ctx, Q)
+    assert not bool(pins.pinned[0])
+    assert float(pins.margins[0]) <= certify.KERNEL_MARGIN
+
+
+@pytest.mark.parametrize("kind", ["view", "repeat"])
+def test_near_duplicates_are_built_from_the_batch(kind: str) -> None:
+    """``views.with_near_duplicates``: sample 2i + 1 becomes a view of sample 2i (shifted by
+    a pixel, brightness within 2%) or its exact copy, with its label; the rest is kept."""
+    x, y = data.sample_batch("photos32", 8, seed=3)
+    x2, y2, pairs = views.with_near_duplicates(x, y, pairs=2, kind=kind, seed=1)
+    assert pairs == [(0, 1), (2, 3)]
+    assert torch.equal(x2[4:], x[4:]) and torch.equal(x2[0], x[0])
+    assert int(y2[1]) == int(y2[0]) and int(y2[3]) == int(y2[2])
+    diff = float((x2[1] - x2[0]).abs().mean())
+    assert diff == 0.0 if kind == "repeat" else 0.0 < diff < 0.1
+    assert float(x2.min()) >= 0.0 and float(x2.max()) <= 1.0
+    with pytest.raises(ValueError, match="kind"):
+        views.with_near_duplicates(x, y, kind="blur")
+    with pytest.raises(ValueError, match="pairs"):
+        views.with_near_duplicates(x, y, pairs=5)
+
+
+@pytest.mark.parametrize(("summary", "words"), [
+    ({"mixed": [[3, 7]], "noisy": False, "update": "gradient"}, "mixture"),
+    ({"mixed": [], "noisy": False, "update": "fedavg"}, "sum of local steps"),
+    ({"mixed": [], "noisy": True, "noise_std": 1e-3, "update": "gradient"}, "noise detected"),
+    ({"mixed": [], "noisy": False, "update": "gradient"}, "pinned"),
+])
+def test_a_full_lambda_one_result_without_certificate_says_why(summary: dict,
+                                                               words: str) -> None:
+    """λ = 1 with all B directions, not certified: the reason names the condition that
+    failed (a mixed group, a FedAvg sum, noise, or a column its zero rows do not pin)."""
+    result = {"batch_size": 20, "n_directions": 20, "exact": False, "sparsity_match": 1.0,
+              **summary}
+    status, reason = verdicts.reconstruction_verdict(result)
+    assert status == verdicts.NOT_CERTIFIED and reason is not None and words in reason
