@@ -85,3 +85,21 @@ def inv(A: torch.Tensor) -> torch.Tensor:
     """
     with _one_torch_thread(A):
         return torch.linalg.inv(A)
+
+
+def inv_ex(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.inv_ex(A)``, safe for large CPU batches (module docstring).
+
+    Parameters
+    ----------
+    A : (..., n, n)
+        Square matrices, some possibly singular.
+
+    Returns
+    -------
+    (inverse, info)
+        As ``torch.linalg.inv_ex``: ``info`` is non-zero where a matrix is singular (its
+        "inverse" is then meaningless).
+    """
+    with _one_torch_thread(A):
+        return torch.linalg.inv_ex(A)

@@ -10,16 +10,17 @@ from scipy.stats import binom
 
 
 @functools.lru_cache(maxsize=256)
-def min_zero_count(m: int, p_false_reject: float, tau: float | None = None) -> int:
+def min_zero_count(m: int, p_false_reject: float, tau: float | None = None,
+                   rate: float = 0.5) -> int:
     """Smallest number of zeros a true direction must show.
 
-    With τ from the binomial tail, a true column (each entry zero w.p. 1/2) is rejected with
-    probability ``2^-m Σ_{i ≤ ⌊τm⌋} C(m, i) < p_false_reject``.
+    With τ from the binomial tail, a true column (each entry zero w.p. ``rate``, 1/2 in the
+    papers) is rejected with probability ``P(Binom(m, rate) ≤ ⌊τm⌋) < p_false_reject``.
     """
     if tau is not None:
         return int(tau * m) + 1
-    k = int(binom.ppf(p_false_reject, m, 0.5))
-    while k >= 0 and binom.cdf(k, m, 0.5) >= p_false_reject:
+    k = int(binom.ppf(p_false_reject, m, rate))
+    while k >= 0 and binom.cdf(k, m, rate) >= p_false_reject:
         k -= 1
     return max(k, 0) + 1
 

@@ -60,7 +60,7 @@ from fl_attack.scale import LayerSystem
 from fl_attack.search import signed_sparsity_loss
 from fl_attack.select import Trial, swap_greedily
 from fl_attack.state import SearchContext, SearchState, search_context
-from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.tolerances import exact_possible, rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
 __all__ = [
@@ -328,6 +328,7 @@ def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
         n_found=picked.n_found, sparsity_match=m.value if m is not None else None,
         per_column=m.per_sample if m is not None else None, units=G.shape[0],
         chance_zeros=m.chance_zeros if m is not None else 0, noisy=ctx.noisy,
+        precise=exact_possible(ctx.dec),
         noise_std=dec.noise_std, scales=D.norm(dim=1), rounds=state.rounds,
         n_candidates=len(pool), swaps=picked.swaps, exhausted=picked.exhausted,
         nonnegative=m is not None and bool(m.nonnegative.all()),

@@ -17,15 +17,15 @@ import torch
 
 from fl_attack import certify, loop, peel, readings
 from fl_attack.clock import Clock
-from fl_attack.columns import normalize_columns
+from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import Decomposition, decompose
 from fl_attack.match import sparsity_match
 from fl_attack.pool import CandidatePool
 from fl_attack.result import Reconstruction, build_reconstruction
 from fl_attack.scale import make_system, reconstruct
-from fl_attack.state import SearchContext, SearchState, search_context
-from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.state import SearchContext, SearchState, relaxed, search_context
+from fl_attack.tolerances import exact_possible, rank_floor, tolerances
 from fl_attack.untangle import untangle
 from fl_attack.validation import LayerUpdate
 
@@ -125,6 +125,7 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         per_column=lam.per_column if lam is not None else None,
         units=layer.weight_grad.shape[0],
         chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
+        precise=exact_possible(ctx.dec),
         noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
         n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
         peeled=found.peeled, stopped=found.stopped, supported=proven, mixed=mixed,
@@ -190,7 +191,7 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         state.match = sparsity_match(Q, system)
         return _Found(ctx, state, Q, 1, stopped="single")
     while True:
-        Q, n_found = loop.search(ctx, state, pool)
+        ctx, pool, Q, n_found = _search(ctx, state, pool)
         here = _Found(ctx, state, Q, n_found, rounds=state.rounds, n_candidates=len(pool),
                       swaps=state.swaps, exhausted=state.exhausted, stopped=state.stopped,
                       rows2=rows2)
@@ -217,6 +218,29 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
                         seeds=dec.L.to(pool.columns) @ pool.columns)
             _merge(here, sub)
         return here
+
+
+def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
+            ) -> tuple[SearchContext, CandidatePool, torch.Tensor, int]:
+    """``loop.search``, then, when a clean search ends without its B columns (converged or
+    starved) with budget and rounds left, a second pass with a lower zero threshold
+    (``state.relaxed``: a trained model's columns keep fewer zeros than the papers' threshold
+    asks), its pool seeded with the first's; the round cap counts both passes. Returns the
+    context and pool of the last pass, the basis and the columns found."""
+    Q, n_found = loop.search(ctx, state, pool)
+    if (state.peeled is not None or state.stopped not in ("converged", "starved")
+            or ctx.clock.expired() or state.rounds >= ctx.cfg.round_cap(ctx.B)):
+        return ctx, pool, Q, n_found
+    low = relaxed(ctx)
+    if low is None:
+        return ctx, pool, Q, n_found
+    loop.progress(ctx, "%.1fs: %d/%d directions; the search goes on with columns of %d zeros "
+                  "or more (was %d)", ctx.clock.elapsed(), n_found, ctx.B, low.min_zeros,
+                  ctx.min_zeros)
+    wide = CandidatePool(low)
+    wide.add(pool.columns, zero_mask(ctx.L @ pool.columns.to(ctx.L), ctx.zero_rtol).sum(dim=0))
+    Q, n_found = loop.search(low, state, wide)
+    return low, wide, Q, n_found
 
 
 def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,

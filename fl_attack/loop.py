@@ -19,7 +19,7 @@ from fl_attack.certify import Assessment
 from fl_attack.clock import passed
 from fl_attack.columns import pattern_keys, zero_mask
 from fl_attack.pool import CandidatePool
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.state import SearchContext, SearchState, relaxed
 
 log = logging.getLogger("fl_attack")
 
@@ -65,7 +65,7 @@ def search(ctx: SearchContext, state: SearchState,
             return now.Q, now.count
     stale = Staleness(ctx)
     state.stopped = "rounds"
-    for _ in range(max_rounds):
+    while state.rounds < max_rounds:  # the cap counts every pass of this search's state
         state.rounds += 1
         (rounds.spear_round if spear else rounds.spearpp_round)(ctx, state, pool)
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
@@ -106,10 +106,14 @@ def _stop_reason(ctx: SearchContext, state: SearchState, now: Assessment,
         return "budget"
     if spear and state.samples >= ctx.cfg.max_samples:
         return "samples"
+    tuning = ctx.tuning
+    if (not spear and state.rounds >= tuning.starved_rounds
+            and now.count < tuning.starved_share * ctx.B and relaxed(ctx) is not None):
+        return "starved"
     # clean: a full basis that stopped changing; noisy: no progress at all (a column that
     # noise hides stays hidden, so rounds that find nothing new do not pay)
     full = now.count == ctx.B or ctx.noisy
-    if not spear and full and stale_rounds >= ctx.tuning.stale_rounds:
+    if not spear and full and stale_rounds >= tuning.stale_rounds:
         return "converged"
     return None
 

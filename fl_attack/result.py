@@ -43,6 +43,10 @@ class Reconstruction:
     noise_std: float = 0.0
     noisy: bool = False
     """Noise was detected on the update (``tolerances.noisy_update``): never certified."""
+    rounding_limited: bool = False
+    """A clean update whose weakest samples sit near the float32 rounding
+    (``tolerances.rounding_limited``: a trained model's confidently classified samples): they
+    are read only to the update's precision, and nothing is certified."""
     scales: torch.Tensor | None = None
     """Per-sample scale of ∂L/∂Z columns (sign tells nothing; magnitude ~ per-sample loss grad)."""
     column_match: torch.Tensor | None = None
@@ -107,6 +111,7 @@ class Reconstruction:
             "swaps": self.swaps,
             "noise_std": self.noise_std,
             "noisy": self.noisy,
+            "rounding_limited": self.rounding_limited,
             "update": self.config.update if self.config is not None else "gradient",
             "chance_zeros": self.chance_zeros,
             "peeled": self.peeled,
@@ -121,7 +126,8 @@ class Reconstruction:
 
 
 def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
-              noisy: bool, nonnegative: bool = True, supported: bool = True) -> bool:
+              noisy: bool, nonnegative: bool = True, supported: bool = True,
+              precise: bool = True) -> bool:
     """Whether a reconstruction may be marked exact without ground truth.
 
     Parameters
@@ -140,14 +146,16 @@ def certified(sparsity_match: float | None, n_found: int, batch_size: int, *,
         Every column is pinned down by its own zero rows (``certify.supported``; SPEAR
         Theorem 3.3 checked on the reconstruction): without it λ = 1 does not single out the
         batch.
+    precise
+        The update holds every sample above its rounding (``tolerances.exact_possible``).
 
     Returns
     -------
     bool
-        λ = 1, all B directions found, no noise, ``nonnegative`` and ``supported``.
+        λ = 1, all B directions found, no noise, ``nonnegative``, ``supported``, ``precise``.
     """
     return (sparsity_match is not None and sparsity_match >= 1.0 and n_found == batch_size
-            and not noisy and nonnegative and supported)
+            and not noisy and nonnegative and supported and precise)
 
 
 def build_reconstruction(
@@ -174,6 +182,7 @@ def build_reconstruction(
     stopped: str = "",
     mixed: tuple[tuple[int, ...], ...] = (),
     untangled: int = 0,
+    precise: bool = True,
 ) -> Reconstruction:
     """The :class:`Reconstruction` of either side of the attack.
 
@@ -190,8 +199,9 @@ def build_reconstruction(
     sparsity_match, per_column : (B,), units
         λ and the matching entries per sample (out of the layer's m ``units``), or None
         without weight and bias.
-    chance_zeros, noisy, noise_std, nonnegative, supported
-        What the certificate needs (:func:`certified`) and reports.
+    chance_zeros, noisy, noise_std, nonnegative, supported, precise
+        What the certificate needs (:func:`certified`) and reports (an imprecise update
+        that is not noisy is ``rounding_limited``).
     scales : (B,)
         The per-sample scales.
     rounds, n_candidates, swaps, peeled, exhausted
@@ -211,14 +221,15 @@ def build_reconstruction(
     if per_column is not None:
         col = (per_column.double() / units).cpu()
     exact = certified(sparsity_match, n_found, batch_size, noisy=noisy,
-                      nonnegative=nonnegative, supported=supported)
+                      nonnegative=nonnegative, supported=supported, precise=precise)
     if stopped == "certified" and not exact:
         stopped = "lambda"
     return Reconstruction(
         inputs=inputs.cpu(), batch_size=batch_size, sparsity_match=sparsity_match, exact=exact,
         n_directions=n_found, method=cfg.method, seconds=clock.elapsed(),
         timings=clock.timings, rounds=rounds, n_candidates=n_candidates, swaps=swaps,
-        noise_std=noise_std, noisy=noisy, scales=scales.cpu(), column_match=col, config=cfg,
+        noise_std=noise_std, noisy=noisy, rounding_limited=not (noisy or precise),
+        scales=scales.cpu(), column_match=col, config=cfg,
         chance_zeros=chance_zeros, peeled=peeled, budget_exhausted=exhausted,
         stopped=stopped, mixed=mixed, untangled=untangled,
     )

@@ -9,6 +9,7 @@ loop and its stop rule).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,8 +120,33 @@ def search_context(cfg: AttackConfig, dec: Decomposition, system: LayerSystem,
     )
 
 
+def relaxed(ctx: SearchContext) -> SearchContext | None:
+    """The context of a second pass with a lower zero threshold (``Tuning.relaxed_zero_rate``,
+    at least ``Tuning.relaxed_zero_margin`` x B + 1) that completes from nothing before its
+    first round (``AttackConfig.slice_first``, unless set), or None where there is none to
+    take: a noisy or FedAvg update, an explicit ``AttackConfig.tau``, the input side, or a
+    threshold already as low."""
+    cfg, tuning, B, m = ctx.cfg, ctx.tuning, ctx.B, ctx.L.shape[0]
+    if ctx.noisy or ctx.system.subset or cfg.tau is not None or ctx.input_side:
+        return None
+    low = max(filtering.min_zero_count(m, cfg.p_false_reject, rate=tuning.relaxed_zero_rate),
+              int(tuning.relaxed_zero_margin * B) + 1)
+    if low >= ctx.min_zeros:
+        return None
+    # the completions from nothing place the zero rows by the layer's own pre-activations,
+    # where the search's ℓ1 minima on a trained model are mixtures that cancel its dense rows
+    first = cfg.slice_first if cfg.slice_first is not None else system_has_weights(ctx)
+    return dataclasses.replace(ctx, min_zeros=low,
+                               cfg=dataclasses.replace(cfg, slice_first=first))
+
+
+def system_has_weights(ctx: SearchContext) -> bool:
+    """Whether the layer's weight and bias are known (λ, completions)."""
+    return ctx.system.WR is not None and ctx.system.bias is not None
+
+
 STOP_REASONS = ("certified", "lambda", "found", "converged", "budget", "rounds", "samples",
-                "single", "peeled")
+                "single", "peeled", "starved")
 """Why a search ends (``Reconstruction.stopped``): ``certified``, λ = 1 with all B columns on a
 clean update; ``lambda``, λ reached the stop level under noise (``Tuning.noisy_lambda_stop``, or
 ``AttackConfig.lambda_stop``) with all B columns trusted; ``found``, all B directions without the
@@ -129,7 +155,9 @@ rounds without a change; under noise any selection, without a better λ or a new
 column, ``loop.search``); ``budget``, ``AttackConfig.max_seconds`` ran out; ``rounds``, the round
 cap (``AttackConfig.max_rounds``); ``samples``, SPEAR's sample cap (``AttackConfig.max_samples``);
 ``single``, B = 1 (nothing to search); ``peeled``, the loop handed verified samples to the peeling
-(``fl_attack.peel``) and no level was left to search."""
+(``fl_attack.peel``) and no level was left to search; ``starved``, a clean search selected fewer
+than ``Tuning.starved_share`` of B columns in ``Tuning.starved_rounds`` rounds and could lower its
+zero threshold (``relaxed``: the second pass does; reported only when that pass has no time)."""
 
 
 @dataclass

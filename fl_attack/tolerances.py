@@ -80,10 +80,31 @@ def noise_ratio(dec: Decomposition) -> float:
 
 
 def noisy_update(dec: Decomposition) -> bool:
-    """Whether the decomposed update carries noise that voids exact certification: its noise
-    ratio exceeds ``Tuning.noisy_ratio`` (DP-SGD noise; float32 rounding of a large layer's
-    weight difference can reach it too)."""
-    return noise_ratio(dec) > TUNING.noisy_ratio
+    """Whether the decomposed update carries noise beyond the rounding of a clean gradient:
+    its noise ratio exceeds ``Tuning.noisy_ratio`` (DP-SGD noise; float32 rounding of a large
+    layer's weight difference can reach it too) and it is not :func:`rounding_limited`. The
+    search then runs in its noisy mode (noise-scaled trust, the ReLU-law repair, λ stopping
+    below 1)."""
+    return noise_ratio(dec) > TUNING.noisy_ratio and not rounding_limited(dec)
+
+
+def exact_possible(dec: Decomposition) -> bool:
+    """Whether every sample of the update can be read exactly: its noise ratio (noise edge over
+    the weakest sample's singular value) is at most ``Tuning.noisy_ratio``. Otherwise nothing
+    is certified, whether the noise was added or is the rounding of a clean gradient."""
+    return noise_ratio(dec) <= TUNING.noisy_ratio
+
+
+def rounding_limited(dec: Decomposition) -> bool:
+    """Whether an update is clean but its weakest samples sit near the float32 rounding: the
+    spectrum drops below ``RANK_FLOOR[float32]`` of its largest value right after B, so no
+    noise was added, while a trained model's confidently classified samples have gradients
+    10⁴-10⁶ times smaller than the others (``experiments/results/training.md``). The search
+    treats it as clean (the noise-mode steps assume i.i.d. noise and drop true columns there);
+    its weakest samples are read only to the update's precision and nothing is certified
+    (:func:`exact_possible`)."""
+    S, B = dec.singular_values, dec.batch_size
+    return B >= S.numel() or float(S[B]) < RANK_FLOOR[torch.float32] * float(S[0])
 
 
 def row_noise(dec: Decomposition, device: torch.device) -> torch.Tensor:

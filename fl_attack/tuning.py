@@ -69,6 +69,21 @@ class Tuning:
     polish_rows_share: float = 0.75
     """Rows of the first polishing pass, as a share of the least zero count of a true column:
     well inside any true column's zero set."""
+    relaxed_zero_rate: float = 0.25
+    """When a clean search with the papers' zero threshold (each unit inactive with probability
+    1/2, SPEAR §4.1) ends without B columns and with budget left, it goes on with the threshold
+    of a column whose units are inactive with this probability (and at least
+    :attr:`relaxed_zero_margin` x B): the columns of a trained model keep fewer zeros (units
+    active for every sample), and the papers' threshold drops them all
+    (``experiments/results/training.md``)."""
+    starved_rounds: int = 1
+    """A clean search that after this many rounds has selected fewer than
+    :attr:`starved_share` of its B columns, and could lower its zero threshold, ends its first
+    pass (``"starved"``) so that the second pass, with the lower threshold, gets the budget."""
+    starved_share: float = 0.25
+    relaxed_zero_margin: float = 1.25
+    """The relaxed threshold is at least this many times B (and one more): below it the
+    kernels of B - 1 rows with a few chance zeros flood the pool."""
     repair_candidates: int = 64
     """Sparsest completion candidates tried by the repair of one or two columns."""
     repair_candidates_three: int = 24

@@ -59,7 +59,8 @@ def law_violations(ctx: SearchContext, Qs: torch.Tensor) -> torch.Tensor:
     -------
     torch.Tensor
         (B,) or (T, B) counts: units clearly inactive for a column's reconstructed sample
-        (Z < -:data:`VIOLATION_SD` of its noise) whose gradient entry is clearly non-zero.
+        (Z < -:data:`VIOLATION_SD` of its noise) whose gradient entry is clearly non-zero; a
+        singular basis counts m B on every column (it reconstructs nothing).
     """
     system, k = ctx.system, VIOLATION_SD
     assert system.WR is not None and system.bias is not None and system.weight is not None
@@ -70,7 +71,8 @@ def law_violations(ctx: SearchContext, Qs: torch.Tensor) -> torch.Tensor:
     noise = ctx.row_noise.to(system.L)
     for start in range(0, Qs.shape[0], CHUNK):
         Q = Qs[start:start + CHUNK]
-        P = batched_lu.inv(Q)  # (T, B, B): row i of Q⁻¹ gives sample i
+        P, info = batched_lu.inv_ex(Q)  # (T, B, B): row i of Q⁻¹ gives sample i
+        P = torch.where((info != 0)[:, None, None], torch.eye(Q.shape[-1]).to(P), P)
         s = P @ system.t  # (T, B)
         Z = torch.einsum("mk,tik->tmi", system.WR, P) / s[:, None, :] + system.bias[:, None]
         sigma_z = (ctx.dec.noise_std * w_norm[None, :, None]
@@ -78,7 +80,8 @@ def law_violations(ctx: SearchContext, Qs: torch.Tensor) -> torch.Tensor:
         V = system.L @ Q  # (T, m, B)
         sigma_v = (Q * noise[None, :, None]).norm(dim=1)  # (T, B): filtering.noise_scales
         hard = (Z < -k * sigma_z) & (V.abs() > k * sigma_v[:, None, :])
-        out.append(hard.sum(dim=1))
+        counts = hard.sum(dim=1)
+        out.append(torch.where((info != 0)[:, None], Q.shape[1] * system.L.shape[0], counts))
     counts = torch.cat(out)
     return counts[0] if single else counts
 

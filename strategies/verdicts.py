@@ -121,6 +121,10 @@ def _unproven(result: dict[str, Any]) -> str:
                 f"(groups {mixed}): their ReLU patterns nest or differ on a single unit, so "
                 "this layer's update does not single them out; the other samples are read as "
                 "usual")
+    if result.get("rounding_limited"):
+        return ("λ = 1, but the update's weakest samples sit near the float32 rounding of the "
+                "gradient (a trained model's confidently classified samples): they are read only "
+                "to that precision, so nothing is certified; see PSNR")
     if result.get("update") == "fedavg":
         return ("read as a sum of local steps (FedAvg): λ = 1 shows the reconstruction "
                 "consistent with the update, which for a sum proves nothing; see PSNR")
