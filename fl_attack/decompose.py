@@ -37,9 +37,17 @@ class Decomposition:
     """(m, edge_batch_size) the left factor at the edge reading, when it is larger."""
     edge_R: torch.Tensor | None = None
     """(edge_batch_size, n) the right factor at the edge reading, when it is larger."""
+    spectrum_batch_size: int = 0
+    """With an explicit ``batch_size``: the batch size the spectrum itself reads when it is
+    smaller (samples closer to each other than the noise or the rounding can separate, or one
+    sample given twice), else 0."""
 
     def readings(self) -> tuple[int, ...]:
-        """The plausible batch sizes, ascending: (batch_size,) or (batch_size, edge_batch_size)."""
+        """The plausible batch sizes, ascending: (batch_size,), (batch_size, edge_batch_size),
+        or, with an explicit batch size the noisy spectrum reads fewer of,
+        (spectrum_batch_size, batch_size)."""
+        if 0 < self.spectrum_batch_size < self.batch_size:
+            return (self.spectrum_batch_size, self.batch_size)
         if self.edge_batch_size > self.batch_size and self.edge_L is not None:
             return (self.batch_size, self.edge_batch_size)
         return (self.batch_size,)
@@ -51,12 +59,12 @@ class Decomposition:
         if batch_size not in self.readings():
             raise ValueError(f"batch_size {batch_size} is not a reading of this spectrum "
                              f"{self.readings()}")
-        assert self.edge_L is not None and self.edge_R is not None
-        return Decomposition(L=self.edge_L[:, :batch_size].contiguous(),
-                             R=self.edge_R[:batch_size].contiguous(),
+        L, R = (self.L, self.R) if batch_size < self.batch_size else (self.edge_L, self.edge_R)
+        assert L is not None and R is not None
+        return Decomposition(L=L[:, :batch_size].contiguous(), R=R[:batch_size].contiguous(),
                              singular_values=self.singular_values, batch_size=batch_size,
                              noise_std=self.noise_std, noise_edge=self.noise_edge,
-                             edge_batch_size=self.edge_batch_size)
+                             edge_batch_size=max(self.edge_batch_size, batch_size))
 
 
 EDGE_MARGIN = 1.1
@@ -149,7 +157,10 @@ def decompose(
     weight_grad : (m, n)
         The layer's weight gradient (or weight update).
     batch_size
-        The batch size, when known; None reads it off the spectrum.
+        The batch size, when known; None reads it off the spectrum. A clean spectrum that
+        ends before it (fewer distinct samples: a repeat, samples within the rounding of each
+        other) is read where it ends; a noisy one that reads fewer keeps both readings
+        (:meth:`Decomposition.readings`).
     rank_margin
         Signal singular values lie above this many noise edges ν(√m + √n).
     floor_rtol
@@ -195,10 +206,14 @@ def decompose(
                 f"batch_size={batch_size} is not smaller than min(m, n) = {limit}: not identifiable"
             )
         B = batch_size
+    read = rank if batch_size is not None and 0 < rank < batch_size else 0
+    if read and edge <= TUNING.noisy_ratio * float(S[read - 1]):
+        B = read  # a clean spectrum ends at `read`: the directions beyond it are rounding
     L = U[:, :B].contiguous()
     R = (S[:B, None] * Vh[:B]).contiguous()
     dec = Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu,
-                        noise_edge=edge, edge_batch_size=B)
+                        noise_edge=edge, edge_batch_size=B,
+                        spectrum_batch_size=read if read < B else 0)
     if (batch_size is None and rank_margin > EDGE_MARGIN
             and edge > TUNING.noisy_ratio * float(S[B - 1])):
         # a noisy spectrum: values between EDGE_MARGIN and rank_margin edges are plausible too

@@ -35,9 +35,11 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
     """``sparse="output"``: recover the layer's inputs from the sparse columns of ∂L/∂Z.
 
     Under noise the spectrum may allow two batch sizes (``Decomposition.readings``: the
-    singular values clear of the noise, and those merely above its edge); each is attacked
-    with its share of the budget and the reading whose reconstruction explains the update
-    best is kept (:func:`fl_attack.readings.choose`).
+    singular values clear of the noise, and those merely above its edge, or fewer than an
+    explicit ``batch_size``); each is attacked with its share of the budget and the reading
+    whose reconstruction explains the update best is kept (:func:`fl_attack.readings.choose`).
+    A result with fewer samples than an explicit ``batch_size`` says how many the update did
+    not separate (``Reconstruction.merged``).
 
     Parameters
     ----------
@@ -69,14 +71,18 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
         clock.tick("decompose", t0)
     values = dec.readings()
     if len(values) == 1:
-        return _invert_at(layer, cfg, seed, clock, dec)
-    recs = []
-    for i, B in enumerate(values):
-        left = None if clock.max_seconds is None else max(
-            clock.max_seconds - clock.elapsed(), 0.0) / (len(values) - i)
-        sub = Clock(left, timings=clock.timings)
-        recs.append(_invert_at(layer, cfg, seed, sub, dec.at(B)))
-    return readings.choose(recs, layer, clock)
+        rec = _invert_at(layer, cfg, seed, clock, dec)
+    else:
+        recs = []
+        for i, B in enumerate(values):
+            left = None if clock.max_seconds is None else max(
+                clock.max_seconds - clock.elapsed(), 0.0) / (len(values) - i)
+            sub = Clock(left, timings=clock.timings)
+            recs.append(_invert_at(layer, cfg, seed, sub, dec.at(B)))
+        rec = readings.choose(recs, layer, clock)
+    if cfg.batch_size is not None and rec.batch_size < cfg.batch_size:
+        rec.merged = cfg.batch_size - rec.batch_size
+    return rec
 
 
 def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,

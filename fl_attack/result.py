@@ -72,6 +72,10 @@ class Reconstruction:
     cannot tell which is the batch (``certify.Pinning``). A batch with such a group is never
     certified; its other samples are read as usual. Empty for noisy or partial
     reconstructions."""
+    merged: int = 0
+    """Samples of an explicit ``batch_size`` the update does not separate: the reconstruction
+    has B - merged samples, and each of those missing is within the noise (or the rounding)
+    of one it has (two augmented views of one picture, a sample given twice)."""
     untangled: int = 0
     """Samples of groups the layer read only up to a mixture that were then read exactly,
     each verified on its own, through the next layer's weight gradient
@@ -119,6 +123,7 @@ class Reconstruction:
             "stopped": self.stopped,
             "mixed": [list(group) for group in self.mixed],
             "untangled": self.untangled,
+            "merged": self.merged,
             "batch_size_readings": list(self.batch_size_readings),
             "reading_scores": [round(v, 1) for v in self.reading_scores],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},

@@ -17,7 +17,8 @@ import torch
 import fl_attack
 from fl_attack import certify
 from fl_attack.columns import normalize_columns, zero_mask
-from fl_attack.testbed import data, models, views
+from fl_attack.decompose import decompose
+from fl_attack.testbed import data, metrics, models, views
 from strategies import verdicts
 from tests.conftest import RealBatch, compute_output_grad
 
@@ -164,3 +165,51 @@ def test_a_full_lambda_one_result_without_certificate_says_why(summary: dict,
               **summary}
     status, reason = verdicts.reconstruction_verdict(result)
     assert status == verdicts.NOT_CERTIFIED and reason is not None and words in reason
+
+
+def test_a_sample_given_twice_is_read_once_and_counted(output_side, image_score) -> None:
+    """A clean FedSGD batch of 20 photo crops in which sample 1 repeats sample 0: the update
+    has rank 19. Told the batch size (20, as a server reads it from the reply), the attack
+    reads the 19 distinct samples where the spectrum ends (the 20th direction is rounding)
+    and says one sample is not separated (``merged``); every one of the 20 images has its
+    reconstruction when a reconstruction may stand for both copies."""
+    x, y = data.sample_batch("photos32", 20, seed=2)
+    x, y, _ = views.with_near_duplicates(x, y, pairs=1, kind="repeat")
+    model = models.relu_mlp(x[0].numel(), 200, 3, seed=2)
+    t = _batch_with(x, y, model)
+    side = output_side(t.G, t.g, t.W, t.b, batch_size=20)
+    assert side.B == 19 and side.dec.readings() == (19,)
+    rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, batch_size=20,
+                           max_seconds=60)
+    assert rec.batch_size == 19 and rec.merged == 1 and rec.inputs.shape == (19, 3072)
+    assert rec.as_dict()["merged"] == 1
+    if rec.exact:
+        images = data.denormalize(rec.inputs.float().reshape(-1, 3, 32, 32), "photos32")
+        score = metrics.score_batch(images, x, shared=True)
+        assert score.n_matched == 20 and float(score.psnr.min()) > 90.0
+
+
+def test_given_a_batch_size_the_noisy_spectrum_reads_fewer_of_both_readings_are_tried() -> None:
+    """DP-SGD (clipping 1, noise 0.05 x the clipped gradient's median entry on the mean) of
+    20 photo crops holding two overlapping crops of one picture (a third of a pixel apart):
+    the pair's second direction sinks into the noise and the spectrum reads 19. Given
+    B = 20, the decomposition keeps both readings (19 and 20) instead of forcing 20, and the
+    attack returns one of them, saying how many samples it did not separate."""
+    from experiments.bench_dp import dp_updates
+
+    x, y = data.sample_batch("photos32", 20, seed=3)
+    x, y, _ = views.with_near_duplicates(x, y, pairs=1, seed=3, max_shift=0.3)
+    xn = data.normalize(x, "photos32")
+    model = models.relu_mlp(3072, 200, 3, seed=3)
+    u = dp_updates(model, xn, y, clip=1.0, fracs=[0.05], lr=0.1, delta=1e-5, seed=3,
+                   engine="opacus")[0.05]
+    free = decompose(u.dw.double(), floor_rtol=1e-6)
+    assert free.batch_size < 20  # the situation: the spectrum reads fewer
+    given = decompose(u.dw.double(), batch_size=20, floor_rtol=1e-6)
+    assert given.readings() == (free.batch_size, 20)
+    assert given.at(free.batch_size).L.shape == (200, free.batch_size)
+    rec = fl_attack.invert(u.dw, u.db, weight=u.w0, bias=u.b0, seed=0, batch_size=20,
+                           max_seconds=20)
+    assert rec.batch_size in (free.batch_size, 20) and not rec.exact
+    assert rec.batch_size + rec.merged == 20
+    assert rec.batch_size_readings == (free.batch_size, 20)

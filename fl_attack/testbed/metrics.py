@@ -75,15 +75,17 @@ def _flat_pair(reconstructed: Tensor, original: Tensor) -> tuple[Tensor, Tensor]
     return r, o
 
 
-def match(reconstructed: Tensor, original: Tensor) -> Tensor:
+def match(reconstructed: Tensor, original: Tensor, *, shared: bool = False) -> Tensor:
     """Optimal one-to-one assignment of reconstructions to originals.
 
     ``reconstructed`` is ``(R, ...)``, ``original`` is ``(B, ...)`` with the same number of
     values per sample (any sample shape, e.g. images or flat rows). Minimises the total
     pairwise MSE with :func:`scipy.optimize.linear_sum_assignment`. Returns an int64 ``perm``
     of shape ``(B,)`` with ``reconstructed[perm[i]]`` matched to ``original[i]``; when
-    ``R < B`` (a partial reconstruction) the originals left without a partner get ``-1``.
-    When ``R > B`` the surplus reconstructions are simply unused.
+    ``R < B`` (a partial reconstruction) the originals left without a partner get ``-1``, or,
+    with ``shared``, their nearest reconstruction (an update that merged near-duplicate
+    samples, ``fl_attack.Reconstruction.merged``: one reconstruction stands for both). When
+    ``R > B`` the surplus reconstructions are simply unused.
     """
     r, o = _flat_pair(reconstructed, original)
     perm = torch.full((o.shape[0],), -1, dtype=torch.int64)
@@ -93,6 +95,9 @@ def match(reconstructed: Tensor, original: Tensor) -> Tensor:
     cost = (o.pow(2).sum(1, keepdim=True) + r.pow(2).sum(1) - 2.0 * o @ r.T).clamp_(min=0.0)
     rows, cols = linear_sum_assignment((cost / o.shape[1]).numpy())
     perm[torch.from_numpy(rows)] = torch.from_numpy(cols).to(torch.int64)
+    if shared:
+        left = perm < 0
+        perm[left] = cost[left].argmin(dim=1)
     return perm
 
 
@@ -151,6 +156,7 @@ def score_batch(
     data_range: float = 1.0,
     with_ssim: bool = False,
     image_shape: tuple[int, int, int] | None = None,
+    shared: bool = False,
 ) -> MatchedScore:
     """Match ``reconstructed`` (``(R, ...)``) to ``original`` (``(B, ...)``) and score them.
 
@@ -159,13 +165,15 @@ def score_batch(
     mean over the batch counts them as failures. ``with_ssim`` adds SSIM
     (:func:`skimage.metrics.structural_similarity`, channels first) for image tensors
     ``(B, C, H, W)``, or flat ``(B, n)`` ones when ``image_shape=(C, H, W)`` is given.
-    Raises ``ValueError`` on NaN/inf, mismatched sample sizes or an empty original batch.
+    ``shared`` matches the originals left over to their nearest reconstruction (:func:`match`):
+    for a reconstruction that reports merged samples. Raises ``ValueError`` on NaN/inf,
+    mismatched sample sizes or an empty original batch.
     """
     r, o = _flat_pair(reconstructed, original)
     if o.shape[0] == 0:
         raise ValueError("original batch is empty")
     shape = _ssim_shape(original, image_shape) if with_ssim else None
-    perm = match(reconstructed, original)
+    perm = match(reconstructed, original, shared=shared)
     hit = perm >= 0
     per = torch.zeros(o.shape[0], dtype=torch.float64)
     if hit.any():

@@ -20,29 +20,41 @@ __all__ = ["KINDS", "shifted_view", "with_near_duplicates"]
 KINDS = ("view", "repeat")
 
 
-def shifted_view(image: Tensor, dy: int, dx: int, gain: float) -> Tensor:
+def shifted_view(image: Tensor, dy: float, dx: float, gain: float) -> Tensor:
     """Another view of ``image`` (C, H, W) in [0, 1]: the same picture cut ``dy``, ``dx``
-    pixels further (the edge row or column repeated, as a crop of a larger photo would show
-    its neighbours) and its brightness scaled by ``gain``, clipped to [0, 1]."""
+    pixels further (fractions of a pixel by bilinear interpolation; at the border the edge
+    row or column repeats, as a crop of a larger photo would show its neighbours) and its
+    brightness scaled by ``gain``, clipped to [0, 1]."""
     if image.ndim != 3:
         raise ValueError(f"image must be (C, H, W), got shape {tuple(image.shape)}")
     h, w = image.shape[1:]
-    if abs(dy) >= h or abs(dx) >= w:
+    if abs(dy) >= h - 1 or abs(dx) >= w - 1:
         raise ValueError(f"shift ({dy}, {dx}) does not fit an image of {h}x{w}")
-    rows = (torch.arange(h) + dy).clamp(0, h - 1)
-    cols = (torch.arange(w) + dx).clamp(0, w - 1)
-    return (image[:, rows][:, :, cols] * gain).clamp(0.0, 1.0)
+    out = _shift(_shift(image, dy, 1), dx, 2)
+    return (out * gain).clamp(0.0, 1.0)
+
+
+def _shift(image: Tensor, by: float, dim: int) -> Tensor:
+    """``image`` moved by ``by`` pixels along ``dim``, linearly interpolated, edges repeated."""
+    n = image.shape[dim]
+    pos = torch.arange(n, dtype=torch.float64) + by
+    lo = pos.floor().clamp(0, n - 1).long()
+    hi = (lo + 1).clamp(max=n - 1)
+    t = (pos - pos.floor()).clamp(0.0, 1.0).to(image.dtype)
+    t = t.reshape([-1 if d == dim else 1 for d in range(image.ndim)])
+    return image.index_select(dim, lo) * (1 - t) + image.index_select(dim, hi) * t
 
 
 def with_near_duplicates(x: Tensor, y: Tensor, *, pairs: int = 1, kind: str = "view",
-                         seed: int = 0, max_shift: int = 1,
+                         seed: int = 0, max_shift: float = 0.5,
                          max_gain: float = 0.02) -> tuple[Tensor, Tensor, list[tuple[int, int]]]:
     """A copy of the batch ``x`` (B, C, H, W), ``y`` (B,) in which ``pairs`` samples are
     replaced by near-duplicates of others.
 
     Sample ``2 i + 1`` becomes a near-duplicate of sample ``2 i`` (same label): with
-    ``kind="view"`` a :func:`shifted_view` by up to ``max_shift`` pixels (not both zero) with
-    a gain in ``1 ± max_gain``; with ``kind="repeat"`` an exact copy.
+    ``kind="view"`` a :func:`shifted_view` by up to ``max_shift`` pixels along each axis
+    (uniform, so fractions of a pixel: overlapping crops of one photograph) with a gain in
+    ``1 ± max_gain``; with ``kind="repeat"`` an exact copy.
 
     Returns
     -------
@@ -56,8 +68,8 @@ def with_near_duplicates(x: Tensor, y: Tensor, *, pairs: int = 1, kind: str = "v
                          f"{tuple(y.shape)}")
     if not 0 <= pairs <= x.shape[0] // 2:
         raise ValueError(f"pairs must be in [0, {x.shape[0] // 2}], got {pairs}")
-    if max_shift < 1 and kind == "view":
-        raise ValueError(f"max_shift must be >= 1 for views, got {max_shift}")
+    if not max_shift > 0 and kind == "view":
+        raise ValueError(f"max_shift must be > 0 for views, got {max_shift}")
     rng = np.random.default_rng([seed, 0xD0B])
     x, y = x.clone(), y.clone()
     made = []
@@ -66,9 +78,7 @@ def with_near_duplicates(x: Tensor, y: Tensor, *, pairs: int = 1, kind: str = "v
         if kind == "repeat":
             x[b] = x[a]
         else:
-            dy = dx = 0
-            while dy == 0 and dx == 0:
-                dy, dx = (int(v) for v in rng.integers(-max_shift, max_shift + 1, size=2))
+            dy, dx = (float(v) for v in rng.uniform(-max_shift, max_shift, size=2))
             gain = float(rng.uniform(1.0 - max_gain, 1.0 + max_gain))
             x[b] = shifted_view(x[a], dy, dx, gain)
         y[b] = y[a]
