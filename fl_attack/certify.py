@@ -244,11 +244,12 @@ of two samples whose patterns nest, or differ on a single unit, and mixtures of 
 vanishing by cancellation stay below 1, true columns of distinct samples lie 10²-10⁶ above
 (``experiments/results/duplicates.md``)."""
 
-KERNEL_RESIDUAL = 1.0
+KERNEL_RESIDUAL = 10.0
 """A column's evidence rows are zeros of one direction when the smallest singular value of L
-on them stays below this many noise units (:func:`pinning`): true zero rows lie at 0.01-0.2,
-a row on which a mixture of samples cancels only to the zero test's tolerance (1e-4 of the
-column's largest entry for float32) hundreds of units out."""
+on them stays below this many noise units (:func:`pinning`): true zero rows lie at 0.01-0.3 on
+gradients and up to 1.7 on the rounding of a weight difference (W₀ - W₁ of float32 weights),
+while a row on which a mixture of samples cancels only to the zero test's tolerance (1e-4 of
+the column's largest entry for float32, about 10³ noise units) lies hundreds of units out."""
 
 
 @dataclass(frozen=True)

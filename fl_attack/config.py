@@ -86,9 +86,11 @@ class AttackConfig:
     """Rounds after the first start only orthogonally to the columns found so far
     (``search.random_complement``), where the missing columns' basins are."""
     max_rounds: int | None = None
-    """Rounds of fresh initialisations before giving up on missing directions. None:
-    ``max(12, B // 4)``. Rounds after the first are cheap (restarts in the complement of what is
-    found), and hard batches need many of them."""
+    """Rounds of fresh initialisations before giving up on missing directions, over every
+    pass of a search. None: ``max(12, B // 4)`` per pass (a search that ends without its
+    columns may take a second pass with a lower zero threshold, ``levels``). Rounds after the
+    first are cheap (restarts in the complement of what is found), and hard batches need many
+    of them."""
     max_seconds: float | None = DEFAULT_MAX_SECONDS
     """Wall-clock budget of one call in seconds (default :data:`DEFAULT_MAX_SECONDS`); ``None``
     means no limit. When it runs out the best selection so far is returned and

@@ -214,13 +214,21 @@ def decompose(
     dec = Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu,
                         noise_edge=edge, edge_batch_size=B,
                         spectrum_batch_size=read if read < B else 0)
-    if (batch_size is None and rank_margin > EDGE_MARGIN
-            and edge > TUNING.noisy_ratio * float(S[B - 1])):
-        # a noisy spectrum: values between EDGE_MARGIN and rank_margin edges are plausible too
-        top = int((S[:limit] > max(EDGE_MARGIN * edge, float(S[0]) * floor_rtol)).sum())
-        top = min(top, limit - 1)
-        if top > B and float(S[B]) <= rank_margin * edge:
-            dec.edge_batch_size = top
-            dec.edge_L = U[:, :top].contiguous()
-            dec.edge_R = (S[:top, None] * Vh[:top]).contiguous()
+    if batch_size is None and rank_margin > EDGE_MARGIN:
+        _edge_reading(dec, U, Vh, limit, rank_margin, floor_rtol)
     return dec
+
+
+def _edge_reading(dec: Decomposition, U: torch.Tensor, Vh: torch.Tensor, limit: int,
+                  rank_margin: float, floor_rtol: float) -> None:
+    """On a noisy spectrum, add the edge reading to ``dec``: the singular values between
+    :data:`EDGE_MARGIN` and ``rank_margin`` noise edges are plausible samples too."""
+    S, B, edge = dec.singular_values, dec.batch_size, dec.noise_edge
+    if edge <= TUNING.noisy_ratio * float(S[B - 1]):
+        return
+    top = int((S[:limit] > max(EDGE_MARGIN * edge, float(S[0]) * floor_rtol)).sum())
+    top = min(top, limit - 1)
+    if top > B and float(S[B]) <= rank_margin * edge:
+        dec.edge_batch_size = top
+        dec.edge_L = U[:, :top].contiguous()
+        dec.edge_R = (S[:top, None] * Vh[:top]).contiguous()

@@ -228,14 +228,17 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
 
 def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
             ) -> tuple[SearchContext, CandidatePool, torch.Tensor, int]:
-    """``loop.search``, then, when a clean search ends without its B columns (converged or
-    starved) with budget and rounds left, a second pass with a lower zero threshold
+    """``loop.search``, then, when a clean search ends without its B columns (at the round
+    cap, or starved) with budget left, a second pass with a lower zero threshold
     (``state.relaxed``: a trained model's columns keep fewer zeros than the papers' threshold
-    asks), its pool seeded with the first's; the round cap counts both passes. Returns the
-    context and pool of the last pass, the basis and the columns found."""
+    asks), its pool seeded with the first's; an explicit ``AttackConfig.max_rounds`` caps
+    both passes together. Returns the context and pool of the last pass, the basis and the
+    columns found."""
     Q, n_found = loop.search(ctx, state, pool)
-    if (state.peeled is not None or state.stopped not in ("converged", "starved")
-            or ctx.clock.expired() or state.rounds >= ctx.cfg.round_cap(ctx.B)):
+    cap = ctx.cfg.max_rounds
+    if (state.peeled is not None or state.stopped not in ("rounds", "starved")
+            or n_found == ctx.B or ctx.clock.expired()
+            or (cap is not None and state.rounds >= cap)):
         return ctx, pool, Q, n_found
     low = relaxed(ctx)
     if low is None:

@@ -51,6 +51,8 @@ def search(ctx: SearchContext, state: SearchState,
     cfg = ctx.cfg
     spear = cfg.method == "spear"
     max_rounds = cfg.round_cap(ctx.B) if not spear else 1 << 62
+    if cfg.max_rounds is None:  # the default cap is per call, an explicit one for them all
+        max_rounds += state.rounds
     state.completed = {}
     if not spear and not ctx.input_side and cfg.first_slice(ctx.L.shape[0], noisy=ctx.noisy):
         # complete from nothing (the empty pool selects no column): the slice of all B samples
@@ -65,7 +67,7 @@ def search(ctx: SearchContext, state: SearchState,
             return now.Q, now.count
     stale = Staleness(ctx)
     state.stopped = "rounds"
-    while state.rounds < max_rounds:  # the cap counts every pass of this search's state
+    while state.rounds < max_rounds:
         state.rounds += 1
         (rounds.spear_round if spear else rounds.spearpp_round)(ctx, state, pool)
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))

@@ -159,7 +159,8 @@ def test_the_spectrum_gives_two_readings_between_the_edge_and_the_margin() -> No
     """A formula test on a constructed spectrum: singular values 3-6 noise edges above the
     noise and one at 1.5 edges. ``batch_size`` counts those above ``rank_margin`` = 2 edges,
     ``edge_batch_size`` those above ``EDGE_MARGIN`` edges, and ``at`` gives the factors of
-    either reading (the first columns of one SVD)."""
+    either reading (the first columns of one SVD); given the batch size, the spectrum's own
+    reading is kept beside it."""
     from fl_attack.decompose import EDGE_MARGIN, decompose
 
     gen = torch.Generator().manual_seed(0)
@@ -178,9 +179,11 @@ def test_the_spectrum_gives_two_readings_between_the_edge_and_the_margin() -> No
     assert wide.batch_size == B and wide.L.shape == (m, B) and wide.R.shape == (B, n)
     assert torch.allclose(wide.L[:, :B - 1], dec.L) and torch.allclose(wide.R[:B - 1], dec.R)
     assert torch.allclose(wide.L @ wide.R, U @ torch.diag(s) @ V.T, atol=20 * nu)
-    # a clean spectrum or a given batch size has one reading
+    # a clean spectrum has one reading; a given batch size that the noisy spectrum reads
+    # fewer of keeps the spectrum's reading beside it, one it reads as many of is the one
     assert decompose(U @ torch.diag(s) @ V.T, floor_rtol=1e-13).readings() == (B,)
-    assert decompose(G, batch_size=B, floor_rtol=1e-13).readings() == (B,)
+    assert decompose(G, batch_size=B, floor_rtol=1e-13).readings() == (B - 1, B)
+    assert decompose(G, batch_size=B - 1, floor_rtol=1e-13).readings() == (B - 1,)
 
 
 def test_the_explained_residual_counts_what_a_reconstruction_leaves_out(output_grad) -> None:

@@ -1,0 +1,312 @@
+"""The attack as a federation trains: models trained K SGD steps on real labelled data, then the
+first layer's update of fresh batches (SPEAR App. E.4 evaluates SPEAR so on MNIST, b = 10).
+
+A global model that has trained is what a server holds after K local steps of its clients in
+all. For each K on a log scale the model is trained centrally (SGD, batches of 64, lr 0.05)
+on the source's training split, its test accuracy is measured, and fresh batches of the test
+split (never trained on) give the update attacked with default settings:
+
+* ``fedsgd``: one gradient step (mean cross-entropy), attacked as a gradient; a batch counts
+  as read above 90 dB;
+* ``fedavg``: 5 full-batch local steps at lr 0.01, attacked with ``update="fedavg"``; read
+  above 25 dB;
+* ``dpsgd``: one Opacus step, clipping 1, noise std 0.05 x the clipped mean gradient's median
+  entry, the batch size given (as a Flower server reads it from ``num-examples``); read above
+  25 dB. For both, the least-squares ceiling from the true ∂L/∂Z (``bench_dp``).
+
+The quickstart CNN's ``fc1`` (``--model quickstart``, photo sources only) is attacked on one
+SGD step (lr 0.1) of 8 photos: its recovered *features* are scored, not pictures.
+
+Per row: accuracy; batches read and certified; the median λ and directions found; seconds and
+why the searches stopped; and what training does to the update, from the true ∂L/∂Z: the
+spread of per-sample gradient norms, zeros per column, units active for every sample and for
+none, the fewest units on which two samples' patterns differ, and samples whose contribution is
+below the float32 rounding of the update (left out of the PSNR, counted here).
+
+    python -m experiments.bench_training --source mnist --settings 20x200 --protocols fedsgd
+    python -m experiments.bench_training --source mixed32 --steps 0,100,1000,3000
+
+Appends a section to ``experiments/results/training.md``, one row per (setting, protocol, K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import fl_attack
+from experiments import harness, training_stats
+from fl_attack import updates
+from fl_attack.testbed import data, metrics, models, simulate
+
+MODULE = "experiments.bench_training"
+RESULTS = harness.RESULTS_DIR / "training.md"
+TITLE = "The attack while the model trains"
+INTRO = ("Models trained K SGD steps on real labelled data, then the first layer's update of "
+         "fresh test batches; made with `python -m experiments.bench_training`.")
+COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", "% read",
+           "% certified", "median λ", "found (median)", "median s", "stopped",
+           "grad-norm spread (median)", "zeros/column (min-median)", "always-on / off units",
+           "closest pair differs on", "below rounding", "ceiling % (true ∂L/∂Z)")
+DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
+READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "dpsgd": 25.0}
+
+
+@dataclass
+class Labelled:
+    """A labelled source split into training and test rows, normalised."""
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    shape: tuple[int, int, int]
+
+
+def load(name: str, n: int) -> Labelled:
+    """``n`` images of ``name`` (MNIST digits, or photo crops labelled by their source
+    photograph), normalised, the first 80% for training."""
+    x, y = data.load_images(name, n, seed=0)
+    xn = data.normalize(x, name)
+    cut = int(0.8 * n)
+    return Labelled(name, xn[:cut], y[:cut], xn[cut:], y[cut:], tuple(x.shape[1:]))
+
+
+def train_to(model: nn.Module, src: Labelled, steps: int, done: int,
+             gen: torch.Generator, lr: float = 0.05) -> None:
+    """Continue SGD (batches of 64) from ``done`` to ``steps`` steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(done, steps):
+        idx = torch.randint(0, src.train_x.shape[0], (64,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(src.train_x[idx]), src.train_y[idx]).backward()
+        opt.step()
+
+
+def accuracy(model: nn.Module, src: Labelled) -> float:
+    """Test accuracy of ``model``."""
+    with torch.no_grad():
+        return float((model(src.test_x).argmax(1) == src.test_y).float().mean())
+
+
+@dataclass
+class BatchResult:
+    """One attacked batch."""
+
+    psnr: float
+    """Mean PSNR over the samples above the rounding (dB)."""
+    exact: bool
+    lam: float | None
+    found: int
+    seconds: float
+    stopped: str
+    ceiling: float | None
+    stats: training_stats.UpdateStats
+
+
+def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tensor,
+               protocol: str, seed: int, max_seconds: float) -> BatchResult:
+    """The first layer's update of one batch under ``protocol``, attacked and scored."""
+    from experiments.bench_dp import dp_updates, oracle_psnr
+
+    lin = models.linear_layers(model)[0]
+    w0, b0 = lin.weight.detach(), lin.bias.detach()
+    stats = training_stats.update_stats(model, xb, yb)
+    ceiling, options = None, {}
+    if protocol == "fedsgd":
+        dw, db = models.first_layer_gradients(model, xb, yb)
+    elif protocol == "fedavg":
+        res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=5,
+                                    seed=seed)
+        dw, db, _, _ = updates.weight_update_pair(model.state_dict(), res.state_dict)
+        options = {"update": "fedavg"}
+    else:
+        u = dp_updates(model, xb, yb, clip=1.0, fracs=[0.05], lr=0.1, delta=1e-5,
+                       seed=seed, engine="opacus")[0.05]
+        dw, db = u.dw, u.db
+        ceiling = oracle_psnr(u, xb, _images(xb, src), src.name)
+        options = {"batch_size": xb.shape[0]}
+    t0 = time.perf_counter()
+    rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
+                           **options)
+    seconds = time.perf_counter() - t0
+    images = data.denormalize(rec.inputs.float().reshape(-1, *src.shape), src.name)
+    score = metrics.score_batch(images, _images(xb, src), shared=rec.merged > 0)
+    kept = ~stats.below_rounding
+    if protocol == "fedavg":
+        ceiling = _fedavg_ceiling(dw, xb, src)
+    return BatchResult(float(score.psnr[kept].mean()), rec.exact, rec.sparsity_match,
+                       rec.n_directions, seconds, rec.stopped, ceiling, stats)
+
+
+def _images(xn: torch.Tensor, src: Labelled) -> torch.Tensor:
+    return data.denormalize(xn.reshape(-1, *src.shape), src.name)
+
+
+def _fedavg_ceiling(dw: torch.Tensor, xb: torch.Tensor, src: Labelled) -> float:
+    """Mean PSNR of X from the update's true columns Z = ΔW X⁺ by least squares."""
+    from experiments.bench_dp import least_squares_psnr
+
+    Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
+    return least_squares_psnr(Z, dw, _images(xb, src), src.name)
+
+
+def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: float,
+        results: list[BatchResult]) -> list[object]:
+    """The table row of one (setting, protocol, K)."""
+    n = len(results)
+    read = sum(r.psnr > READ_DB[protocol] for r in results)
+    lams = [r.lam for r in results if r.lam is not None]
+    st = [r.stats for r in results]
+    ceilings = [r.ceiling for r in results if r.ceiling is not None]
+    stops = Counter(r.stopped for r in results)
+    return [src.name, label, B, m, protocol, K, f"{100 * acc:.0f}%", n,
+            f"{100 * read / n:.0f}", f"{100 * sum(r.exact for r in results) / n:.0f}",
+            f"{statistics.median(lams):.4f}" if lams else "—",
+            f"{statistics.median(r.found for r in results):.0f}/{B}",
+            f"{statistics.median(r.seconds for r in results):.1f}",
+            ", ".join(f"{k} {v}" for k, v in stops.most_common()),
+            f"{statistics.median(s.spread for s in st):.0f}x",
+            f"{min(s.zeros_min for s in st)}-{statistics.median(s.zeros_median for s in st):.0f}",
+            f"{statistics.median(s.always_on for s in st):.0f} / "
+            f"{statistics.median(s.always_off for s in st):.0f}",
+            min(s.closest for s in st), sum(int(s.below_rounding.sum()) for s in st),
+            f"{100 * sum(c > READ_DB[protocol] for c in ceilings) / len(ceilings):.0f}"
+            if ceilings else "—"]
+
+
+def run_mlp(args: argparse.Namespace, src: Labelled, B: int, m: int) -> None:
+    """Every K of one MLP setting, every protocol: train, attack, append rows."""
+    model = models.relu_mlp(src.test_x[0].numel(), m, 3, seed=args.model_seed)
+    gen = torch.Generator().manual_seed(args.model_seed)
+    done = 0
+    for K in args.steps:
+        train_to(model, src, K, done, gen)
+        done = K
+        acc = accuracy(model, src)
+        for protocol in args.protocols:
+            results = []
+            for b in range(args.batches):
+                lo = (args.first_seed + b) * B
+                xb, yb = src.test_x[lo:lo + B], src.test_y[lo:lo + B]
+                r = attack_mlp(model, src, xb, yb, protocol, seed=b, max_seconds=args.max_seconds)
+                results.append(r)
+                print(f"  {src.name} {B}x{m} {protocol} K={K} acc {acc:.2f} batch {b}: "
+                      f"{r.psnr:.1f} dB, {'certified' if r.exact else 'not certified'}, "
+                      f"found {r.found}/{B}, {r.seconds:.1f} s, {r.stopped}", flush=True)
+            line = harness.table_row(row(src, "MLP", B, m, protocol, K, acc, results))
+            print(line, flush=True)
+            harness.append_lines(args.out, line)
+
+
+def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
+               max_seconds: float) -> BatchResult:
+    """One quickstart SGD step (lr 0.1) of ``xb`` (photos in the model's space); ``fc1``'s
+    update attacked, its recovered input *features* scored against the true ones."""
+    from fl_attack.testbed import cnn
+
+    view = cnn.fedsgd_step(model, xb, yb, lr=0.1)
+    dw, db = view.update("fc1.weight"), view.update("fc1.bias")
+    w0, b0 = view.before["fc1.weight"], view.before["fc1.bias"]
+    stats = training_stats.update_stats(model, xb, yb)
+    t0 = time.perf_counter()
+    rec = fl_attack.invert(dw.float(), db.float(), weight=w0, bias=b0, seed=seed,
+                           max_seconds=max_seconds)
+    seconds = time.perf_counter() - t0
+    features = models.layer_inputs(model, xb).double()
+    scale = float(features.abs().max())
+    score = metrics.score_batch(rec.inputs / scale, features / scale, shared=rec.merged > 0)
+    kept = ~stats.below_rounding
+    return BatchResult(float(score.psnr[kept].mean()), rec.exact, rec.sparsity_match,
+                       rec.n_directions, seconds, rec.stopped, None, stats)
+
+
+def run_cnn(args: argparse.Namespace, src: Labelled, B: int = 8) -> None:
+    """The quickstart CNN trained K steps (SGD lr 0.01, momentum 0.9, batches of 32) on
+    photos labelled by their source photograph; ``fc1``'s features attacked at every K."""
+    from fl_attack.testbed import cnn
+
+    images = lambda x: cnn.quickstart_normalize(_images(x, src))  # noqa: E731
+    train = Labelled(src.name, images(src.train_x), src.train_y, images(src.test_x),
+                     src.test_y, src.shape)
+    model = cnn.build("quickstart", seed=args.model_seed)
+    gen = torch.Generator().manual_seed(args.model_seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    done = 0
+    for K in args.steps:
+        for _ in range(done, K):
+            idx = torch.randint(0, train.train_x.shape[0], (32,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(train.train_x[idx]), train.train_y[idx]).backward()
+            opt.step()
+        done = K
+        acc = accuracy(model, train)
+        results = []
+        for b in range(args.batches):
+            lo = (args.first_seed + b) * B
+            r = attack_cnn(model, train.test_x[lo:lo + B], train.test_y[lo:lo + B], b,
+                           args.max_seconds)
+            results.append(r)
+            print(f"  quickstart fc1 K={K} acc {acc:.2f} batch {b}: features {r.psnr:.1f} dB, "
+                  f"{'certified' if r.exact else 'not certified'}, {r.seconds:.1f} s",
+                  flush=True)
+        line = harness.table_row(row(src, "quickstart fc1 (features)", B, 120, "fedsgd", K,
+                                     acc, results))
+        print(line, flush=True)
+        harness.append_lines(args.out, line)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Train, attack and append one row per (setting, protocol, K)."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_run_args(parser, RESULTS, batches=5, max_seconds=60.0)
+    parser.add_argument("--source", choices=("mnist", "photos32", "mixed32", "greys32"),
+                        default="mnist", help="labelled data (photos: the source photograph)")
+    parser.add_argument("--size", type=int, default=2000, help="images loaded (80%% train)")
+    parser.add_argument("--settings", type=harness.parse_settings, default="10x200,20x200")
+    parser.add_argument("--protocols", type=harness.list_of(str, "--protocols"),
+                        default=["fedsgd"], help="fedsgd, fedavg, dpsgd")
+    parser.add_argument("--steps", type=harness.list_of(int, "--steps"),
+                        default=[int(k) for k in DEFAULT_STEPS.split(",")])
+    parser.add_argument("--model", choices=("mlp", "quickstart"), default="mlp")
+    parser.add_argument("--model-seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    harness.check_run_args(parser, args)
+    bad = sorted(set(args.protocols) - set(READ_DB))
+    if bad:
+        parser.error(f"--protocols: unknown {bad}; expected some of {sorted(READ_DB)}")
+    if args.steps != sorted(args.steps) or args.steps[0] < 0:
+        parser.error("--steps must be non-negative and ascending")
+    if args.model == "quickstart" and args.source == "mnist":
+        parser.error("--model quickstart needs 3x32x32 photos (--source photos32/mixed32)")
+    src = load(args.source, args.size)
+    largest = max([B for B, _ in args.settings] + [8]) * (args.first_seed + args.batches)
+    if largest > src.test_x.shape[0]:
+        parser.error(f"{args.batches} batches from seed {args.first_seed} need {largest} test "
+                     f"images; the source has {src.test_x.shape[0]} (raise --size)")
+    setup = (f"Source {args.source} ({args.size} images, 80% train), {args.model}, steps "
+             f"{args.steps}, max_seconds {args.max_seconds}, test batches from "
+             f"{args.first_seed}.")
+    harness.start_section(args.out, TITLE, INTRO, [
+        harness.section_heading(MODULE, argv), "", harness.machine_line(args.device), "",
+        setup, "", *harness.table_header(COLUMNS)])
+    t0 = time.perf_counter()
+    if args.model == "quickstart":
+        run_cnn(args, src)
+    else:
+        for B, m in args.settings:
+            run_mlp(args, src, B, m)
+    harness.append_lines(args.out, "", f"Wall time {time.perf_counter() - t0:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
