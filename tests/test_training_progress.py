@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Context, Message, Metadata, MetricRecord, RecordDict
 
-from fl_attack_flwr import AuditingStrategy, verdicts
+from fl_attack_flwr import AuditingStrategy
 from fl_attack_flwr.clients.partition import eval_split, iid_partition
 from fl_attack_flwr.progress import by_round, progress_png, trend_sentence
 from fl_attack_flwr.run_config import RunConfigError, check_run_config, resolve_run_config
