@@ -112,8 +112,9 @@ def trend_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """How leakage changed as the model trained, from ``rows`` (:func:`by_round`) alone.
 
     Compares the first and the last audited rounds (up to ten each, a third of the audited
-    rounds at most, so the two never overlap) and gives the accuracy after the first and the
-    last round; ``None`` with fewer than two audited rounds.
+    rounds at most, so the two never overlap), names the round where the share read was
+    lowest when rounds lie between them, and gives the accuracy after the first and the last
+    round; ``None`` with fewer than two audited rounds.
     """
     audited = [r for r in rows if r["attacked"]]
     if len(audited) < 2:
@@ -125,8 +126,12 @@ def trend_sentence(rows: Sequence[Mapping[str, Any]]) -> str | None:
     share1, share2 = (read1 / n1 if n1 else 0.0), (read2 / n2 if n2 else 0.0)
     sentence = (f"As the model trained, the share of attacked samples the server read "
                 f"{_moved(share1, share2)}: {read1} of {n1} ({_pct(read1, n1)}) in "
-                f"{_span(early)}, {read2} of {n2} ({_pct(read2, n2)}) in {_span(late)}; "
-                f"client updates certified exact: {cert1} of {att1}, then {cert2} of {att2}")
+                f"{_span(early)}, {read2} of {n2} ({_pct(read2, n2)}) in {_span(late)}")
+    if len(audited) > 2 * k:  # rounds between the windows: say where the share was lowest
+        low = min(audited, key=lambda r: r["read"] / r["samples"] if r["samples"] else 0.0)
+        sentence += (f", the fewest in round {low['round']} ({low['read']} of "
+                     f"{low['samples']}, {_pct(low['read'], low['samples'])})")
+    sentence += f"; client updates certified exact: {cert1} of {att1}, then {cert2} of {att2}"
     scored = [r for r in rows if r["accuracy"] is not None]
     if len(scored) >= 2:
         a, b = scored[0], scored[-1]

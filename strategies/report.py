@@ -168,6 +168,10 @@ def _facts(s: Mapping[str, Any]) -> str:
     if s.get("epsilon") is not None:
         eps = s["epsilon"]
         parts.append("DP ε = ∞" if eps == "inf" else f"DP ε = {float(eps):.3g}")
+    scored = [r for r in s.get("by_round") or [] if r["accuracy"] is not None]
+    if scored:
+        parts.append(f"model accuracy {100 * scored[-1]['accuracy']:.0f}% after round "
+                     f"{scored[-1]['round']}")
     return "; ".join(parts) + "."
 
 

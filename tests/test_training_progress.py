@@ -94,6 +94,9 @@ def test_the_sentence_says_what_the_rows_say(tmp_path: Path) -> None:
     assert r2 / n2 < r1 / n1
     assert (f"fell: {r1} of {n1} ({100 * r1 / n1:.0f}%) in rounds 1-2, {r2} of {n2} "
             f"({100 * r2 / n2:.0f}%) in rounds 5-6") in sentence
+    low = min(rows, key=lambda r: r["read"] / r["samples"])  # the first of the lowest
+    assert low["round"] == 4 and low["read"] == 0
+    assert f"the fewest in round 4 (0 of {low['samples']}, 0%)" in sentence
     c1, a1 = sum(r["certified"] for r in early), sum(r["attacked"] for r in early)
     c2, a2 = sum(r["certified"] for r in late), sum(r["attacked"] for r in late)
     assert (c1, a1, c2, a2) == (1, 4, 0, 4)
@@ -132,6 +135,7 @@ def test_the_report_puts_leakage_beside_accuracy(tmp_path: Path) -> None:
     assert "never certified" in section  # FedAvg readings: PSNR is what says
     table = page.split("<h2>Per round</h2>")[1].split("</table>")[0]
     assert "<th>accuracy</th>" in table and "<td>81.0%</td>" in table
+    assert "model accuracy 81% after round 6." in page.split("<h2>")[0]  # under the verdict
     rows = summary["by_round"]
     assert f"<td>{rows[2]['read']} of {rows[2]['samples']}</td>" in table
     assert progress_png(rows)[:8] == b"\x89PNG\r\n\x1a\n"
