@@ -161,13 +161,13 @@ def progress_png(rows: Sequence[Mapping[str, Any]]) -> bytes | None:
     fig = Figure(figsize=(9.0, 3.6), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    if audited:
+    if audited:  # the samples read drawn last: on top where the two lines coincide
         xs = [r["round"] for r in audited]
+        ax.plot(xs, [100.0 * r["certified"] / r["attacked"] for r in audited], "s--",
+                color="tab:orange", ms=7, label="client updates certified exact")
         ax.plot(xs, [100.0 * r["read"] / r["samples"] if r["samples"] else 0.0
                      for r in audited], "o-", color="tab:red", ms=4,
                 label="samples the server read")
-        ax.plot(xs, [100.0 * r["certified"] / r["attacked"] for r in audited], "s--",
-                color="tab:orange", ms=4, label="client updates certified exact")
     if scored:
         ax.plot([r["round"] for r in scored], [100.0 * r["accuracy"] for r in scored], "-",
                 color="tab:blue", lw=2, label="model accuracy after the round")
