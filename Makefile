@@ -52,6 +52,12 @@ stop-local:
 deploy-local: $(STAMP)
 	VENV=$(VENV) scripts/deploy_local.sh
 
+.PHONY: demo-train
+# A federation that learns (MNIST, FedAvg, 30 rounds), audited every round in the background,
+# and the same run without the audit -> its report, experiments/results/training.md
+demo-train: $(STAMP)
+	$(PY) -m experiments.learning_federation
+
 .PHONY: bench-flower
 # Round wall time with/without the audit (3 and 10 clients) -> experiments/results/flower.md
 bench-flower: $(STAMP)

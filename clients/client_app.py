@@ -1,6 +1,7 @@
 """The ``ClientApp``: an ordinary Flower client training a ReLU MLP on its share of real images.
 
-Each round the client draws ``batch-size`` samples from its partition and trains on them with the
+Each round the client draws ``batch-size`` samples from its partition (without the ``eval-size``
+samples it evaluates on, when ``eval-held-out`` is set) and trains on them with the
 configured protocol (the same code the experiments use,
 :func:`fl_attack.testbed.simulate.local_update`):
 
@@ -50,7 +51,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from fl_attack_flwr.clients.partition import client_batch, partition
+from fl_attack_flwr.clients.partition import client_batch, eval_split, partition
 from fl_attack_flwr.protocol import (
     CLIENT_DEFAULTS,
     CLIENT_INFO_KEY,
@@ -128,14 +129,16 @@ def _local_data(cfg: Mapping[str, Any], context: Context, server_round: int,
     images, labels = _dataset(name, size, seed)
     shard = _shards(name, size, seed, nparts, str(cfg["partitioning"]),
                     float(cfg["dirichlet-alpha"]))[pid]
+    pool, evaluation = eval_split(shard, int(cfg["eval-size"]),
+                                  held_out=bool(cfg["eval-held-out"]))
     if train:
-        if int(cfg["batch-size"]) > len(shard):
-            raise ValueError(f"batch-size {cfg['batch-size']} exceeds this client's shard of "
-                             f"{len(shard)} samples (partition {pid})")
-        idx = client_batch(shard, int(cfg["batch-size"]), seed=seed, server_round=server_round,
+        if int(cfg["batch-size"]) > len(pool):
+            raise ValueError(f"batch-size {cfg['batch-size']} exceeds the {len(pool)} samples "
+                             f"this client trains on (partition {pid})")
+        idx = client_batch(pool, int(cfg["batch-size"]), seed=seed, server_round=server_round,
                            partition_id=pid)
     else:
-        idx = shard[: max(1, int(cfg["eval-size"]))]
+        idx = evaluation
     t = torch.from_numpy(idx)
     return idx, normalize(images[t], name), labels[t], pid
 
@@ -257,7 +260,8 @@ def _train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the global model on (up to ``eval-size``) samples of the partition."""
+    """Loss and accuracy of the global model on (up to ``eval-size``) samples of the partition:
+    samples it never trains on with ``eval-held-out``, else samples it may also train on."""
     cfg = client_config(msg, context)
     torch.set_num_threads(max(1, int(cfg["client-threads"])))
     model = _model(cfg, next(iter(msg.content.array_records.values())))

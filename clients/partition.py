@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PARTITIONINGS", "dirichlet_partition", "iid_partition", "partition", "client_batch"]
+__all__ = ["PARTITIONINGS", "client_batch", "dirichlet_partition", "eval_split", "iid_partition",
+           "partition"]
 
 PARTITIONINGS: tuple[str, ...] = ("iid", "dirichlet")
 
@@ -113,3 +114,24 @@ def client_batch(shard: np.ndarray, batch_size: int, *, seed: int, server_round:
     rng = np.random.default_rng([seed, server_round, partition_id, 0xBA7C])
     take = min(int(batch_size), len(shard))
     return np.asarray(shard)[rng.choice(len(shard), size=take, replace=False)].astype(np.int64)
+
+
+def eval_split(shard: np.ndarray, eval_size: int, *,
+               held_out: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(train pool, evaluation samples)`` of one client's shard.
+
+    The evaluation samples are the shard's first ``eval_size`` (at least one). With
+    ``held_out`` they are kept out of the training pool, so that the accuracy the client
+    reports is measured on samples the model never trained on; a ``ValueError`` says so when
+    that leaves nothing to train on. Without it the pool is the whole shard (the evaluation
+    samples are trained on as well).
+    """
+    shard = np.asarray(shard)
+    take = max(1, int(eval_size))
+    evaluation = shard[:take]
+    if not held_out:
+        return shard, evaluation
+    if take >= len(shard):
+        raise ValueError(f"eval-size {take} leaves none of this shard's {len(shard)} samples "
+                         "to train on (eval-held-out)")
+    return shard[take:], evaluation

@@ -2,7 +2,8 @@
 
 It wraps any ``flwr.serverapp.strategy.Strategy`` the way Flower's own DP wrappers do: sampling,
 aggregation and evaluation are the wrapped strategy's; the wrapper only *reads* each training
-reply before it is aggregated. Per reply it
+reply before it is aggregated (and stores each round's evaluation beside it:
+``evaluations.EvaluationLog``). Per reply it
 
 1. checks that the reply can be aggregated (``replies.corrupt_reason``; corrupt ones are
    recorded and withheld, so NaN weights never reach the model);
@@ -37,6 +38,7 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.background import InFlight, RoundTimes
+from fl_attack_flwr.evaluations import EvaluationLog
 from fl_attack_flwr.executors import Executor, make_executor
 from fl_attack_flwr.intake import Intake, Work, aggregate_intake, reply_intake, sample_replies
 from fl_attack_flwr.outcome import AttackOutcome, error_outcome
@@ -56,14 +58,13 @@ from fl_attack_flwr.scoring import GroundTruth, InputView
 from fl_attack_flwr.settings import AttackSettings
 from fl_attack_flwr.store import AuditStore
 from fl_attack_flwr.summary import accountant_notes, strategy_notes
-from fl_attack_flwr.wrapper import WrappingStrategy
 
 __all__ = ["AuditingStrategy"]
 
 Pending = list[tuple[ReplyFacts, Future[AttackOutcome]]]
 
 
-class AuditingStrategy(WrappingStrategy):
+class AuditingStrategy(EvaluationLog):
     """Wrap ``strategy`` (FedAvg by default) with a gradient-inversion privacy audit.
 
     Parameters
@@ -106,7 +107,7 @@ class AuditingStrategy(WrappingStrategy):
                  input_transform: Callable[..., Any] | tuple[Any, Any] | None = None,
                  protocol: str | None = None, model: Any = None, pixel_seconds: float = 60.0,
                  enabled: bool = True) -> None:
-        super().__init__(strategy if strategy is not None else FedAvg())
+        super().__init__(strategy if strategy is not None else FedAvg(), store)
         attack = attack or AttackSettings()
         if protocol is not None:
             if protocol not in UPDATE_OF_PROTOCOL:

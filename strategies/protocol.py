@@ -91,6 +91,7 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "delta": 1e-5,
     "audit": True,
     "eval-size": 64,
+    "eval-held-out": False,
     "client-threads": 1,
     "inject-faults": "",
     "leak-guard": "",

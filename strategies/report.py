@@ -13,6 +13,7 @@ import numpy as np
 
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.pictures import image_grid, png_bytes
+from fl_attack_flwr.progress import progress_png
 from fl_attack_flwr.records import ClientAudit
 from fl_attack_flwr.summary import EXACT_DB, READABLE_DB
 
@@ -136,7 +137,8 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         "".join(f"<p class='warn'>{_esc(n)}</p>" for n in summary.get("notes") or []),
         _summary_table(summary, records),
         _explanations(records),
-        _rounds_section(rounds, records),
+        _training_section(summary, records, config),
+        _rounds_section(summary, rounds, records),
         _clients_section(records),
         _reconstructions_section(records, str(summary.get("reconstructions_kept") or "all")),
         "<h2>Configuration</h2>",
@@ -166,6 +168,10 @@ def _facts(s: Mapping[str, Any]) -> str:
     if s.get("epsilon") is not None:
         eps = s["epsilon"]
         parts.append("DP ε = ∞" if eps == "inf" else f"DP ε = {float(eps):.3g}")
+    scored = [r for r in s.get("by_round") or [] if r["accuracy"] is not None]
+    if scored:
+        parts.append(f"model accuracy {100 * scored[-1]['accuracy']:.0f}% after round "
+                     f"{scored[-1]['round']}")
     return "; ".join(parts) + "."
 
 
@@ -195,7 +201,40 @@ def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit]) -> str:
                                        left=(0,))
 
 
-def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
+def _training_section(s: Mapping[str, Any], records: Sequence[ClientAudit],
+                      config: Mapping[str, Any]) -> str:
+    """How leakage changed as the model trained: the sentence, the plot, where the accuracy
+    comes from (only for runs with an accuracy or two audited rounds)."""
+    rows = s.get("by_round") or []
+    sentence = s.get("leakage_trend")
+    png = progress_png(rows)
+    if sentence is None and not any(r["accuracy"] is not None for r in rows):
+        return ""
+    source = next((r["accuracy_from"] for r in rows if r["accuracy_from"]), None)
+    if source == "server":
+        acc = "evaluated by the server (its evaluate_fn)"
+    elif config.get("eval-held-out") is True:
+        acc = (f"evaluated by the clients on {fmt(config.get('eval-size'))} samples each that "
+               "they never train on")
+    elif "eval-held-out" in config:
+        acc = ("evaluated by the clients on samples of their own shards, which they may also "
+               "train on (eval-held-out = false)")
+    else:
+        acc = "evaluated by the clients (Flower's evaluate round, weighted by their examples)"
+    words = ("<p>Leakage per round: of the samples in the client updates the attack answered, "
+             f"those the server read (recognisable, PSNR &gt; {READABLE_DB:.0f} dB, or in a "
+             "batch certified exact), and the share of those updates certified exact. "
+             f"Accuracy: the global model after the round, {_esc(acc)}.</p>")
+    if any(r.reading == "fedavg" for r in records if r.reconstructed):
+        words += ("<p>An update read as a sum over local steps (FedAvg) is never certified: "
+                  "only the PSNR against the true samples (audit mode) says what was read of "
+                  "it.</p>")
+    return ("<h2>Leakage as the model trains</h2>"
+            + (f"<p id='trend'><b>{_esc(sentence)}</b></p>" if sentence else "")
+            + (inline_png(png, "leakage and accuracy per round") if png else "") + words)
+
+
+def _rounds_section(s: Mapping[str, Any], rounds: Mapping[int, Mapping[str, Any]],
                     records: Sequence[ClientAudit]) -> str:
     cols = [("audit-replies", "replies", 0), ("audit-certified", "certified", 0),
             ("audit-reconstructions", "reconstructed", 0), ("audit-protected", "protected", 0),
@@ -203,11 +242,22 @@ def _rounds_section(rounds: Mapping[int, Mapping[str, Any]],
             ("audit-attack-seconds", "attack s", 1), ("train-round-seconds", "round s", 1)]
     if not rounds:
         return ""
-    rows = [[str(rnd)] + [fmt(info.get(k), d) if d else fmt(info.get(k)) for k, _, d in cols]
-            for rnd, info in sorted(rounds.items())]
-    out = "<h2>Per round</h2>" + html_table(["round"] + [t for _, t, _ in cols], rows)
+    leak = {r["round"]: r for r in s.get("by_round") or []}
+    learning = any(r["accuracy"] is not None for r in leak.values())
+    rows = []
+    for rnd, info in sorted(rounds.items()):
+        r = leak.get(rnd) or {"accuracy": None, "attacked": 0}
+        read = f"{r['read']} of {r['samples']}" if r["attacked"] else "–"
+        rows.append([str(rnd)] + ([_pct(r["accuracy"])] if learning else []) + [read]
+                    + [fmt(info.get(k), d) if d else fmt(info.get(k)) for k, _, d in cols])
+    header = ["round"] + (["accuracy"] if learning else []) + ["samples read"]
+    out = "<h2>Per round</h2>" + html_table(header + [t for _, t, _ in cols], rows)
     png = figure_png(records)
     return out + (inline_png(png, "per-round metrics") if png else "")
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
 
 
 def _clients_section(records: Sequence[ClientAudit]) -> str:
@@ -338,6 +388,7 @@ def figure_png(records: Sequence[ClientAudit]) -> bytes | None:
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("sparsity_match", "mean λ (1 = certified)"),
               ("attack_seconds", "attack seconds per client")]
@@ -357,7 +408,7 @@ def figure_png(records: Sequence[ClientAudit]) -> bytes | None:
                 "-", color="tab:red", lw=2)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("round")
-        ax.set_xticks(rounds)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

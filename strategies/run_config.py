@@ -330,10 +330,12 @@ def _check_shards(cfg: Mapping[str, Any]) -> list[str]:
     except ValueError as exc:
         return [f"partitioning: {exc}"]
     smallest = min(shards)
-    if cfg["batch-size"] > smallest:
+    held = int(cfg["eval-size"]) if cfg["eval-held-out"] else 0
+    if cfg["batch-size"] > smallest - held:
+        kept = f", less the eval-size {held} held out" if held else ""
         return [f"batch-size {cfg['batch-size']} exceeds the smallest client shard "
                 f"({smallest} samples: dataset-size {size or total} split among "
-                f"{cfg['num-clients']} clients, {cfg['partitioning']})"]
+                f"{cfg['num-clients']} clients, {cfg['partitioning']}{kept})"]
     return []
 
 

@@ -14,7 +14,8 @@ Layout of ``<output-dir>/<run-name>/``::
         original.png                 grid of the client's true images (audit mode only)
         inputs.npz                   raw reconstructed layer inputs (+ matching, indices)
         metrics.json                 the client's line of metrics.jsonl
-    rounds.jsonl                     one JSON line per round (timings, aggregated metrics)
+    rounds.jsonl                     a JSON line per round as its facts land (timings, audit
+                                     and evaluation metrics); a round's last line holds all
     summary.json                     totals and the verdict
     report.html                      verdict, images beside originals, tables, plots (inline)
 
@@ -206,7 +207,8 @@ class AuditStore:
         return "all"
 
     def add_round(self, server_round: int, info: Mapping[str, Any]) -> None:
-        """Record round-level facts (wall time, aggregated metrics) and append them."""
+        """Record round-level facts (wall time, aggregated metrics) and append the round's
+        facts so far as one line."""
         entry = self.rounds.setdefault(int(server_round), {})
         entry.update(jsonable(dict(info)))
         append_line(self.run_dir / "rounds.jsonl", dumps({"round": int(server_round), **entry}))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_attack_flwr import verdicts
+from fl_attack_flwr import progress, verdicts
 from fl_attack_flwr.private_files import jsonable
 from fl_attack_flwr.records import ClientAudit
 
@@ -35,7 +35,9 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
     """Totals over a run (JSON-safe), with the verdict.
 
     ``psnr_mean`` is ``None`` without ground truth; ``epsilon`` is the largest cumulative ε any
-    client reported (``None`` without DP).
+    client reported (``None`` without DP). ``by_round`` puts each round's leakage beside the
+    model's accuracy and ``leakage_trend`` says how leakage changed as the model trained
+    (:mod:`fl_attack_flwr.progress`; ``None`` with fewer than two audited rounds).
     """
     count = {s: sum(1 for r in records if r.status == s) for s in verdicts.STATUSES}
     rec = [r for r in records if r.reconstructed]
@@ -83,6 +85,8 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "report": str(Path(run_dir) / "report.html"),
     }
     summary.update(_feature_totals(records), budget=_budget(config))
+    summary["by_round"] = progress.by_round(records, rounds, readable_db=READABLE_DB)
+    summary["leakage_trend"] = progress.trend_sentence(summary["by_round"])
     summary["verdict"], summary["verdict_level"] = verdict(summary)
     summary["notes"] = config_notes(config)
     return jsonable(summary)
