@@ -10,10 +10,11 @@ layer of ``relu_mlp(3072, m, 3)`` is attacked from one update:
   counts batches certified with a sample under 90 dB (must be 0), the certified ones, the
   batches over 90 dB, and the groups the attack names as read only up to a mixture.
 * ``dpsgd``: one Opacus DP-SGD step (clipping ``C`` = 1, noise std ``f`` x the clipped mean
-  gradient's median entry, as ``experiments.bench_dp``), attacked with the true batch size
-  given (as the Flower server reads it from ``num-examples``); a reconstruction may stand for
-  samples the update did not separate (``Reconstruction.merged``, scored with
-  ``metrics.score_batch(shared=True)``). ``f = 0`` is clipping alone.
+  gradient's median entry, as ``experiments.bench_dp``). ``f = 0`` is clipping alone.
+
+Both are attacked with the true batch size given (as the Flower server reads it from
+``num-examples``); a reconstruction may stand for samples the update did not separate
+(``Reconstruction.merged``, scored with ``metrics.score_batch(shared=True)``).
 
     python -m experiments.bench_duplicates --dataset mixed32 --first-seed 300 --batches 20
     python -m experiments.bench_duplicates --protocol dpsgd --fracs 0.05,0.1 --max-seconds 30
@@ -81,10 +82,9 @@ def attack(protocol: str, f: float, x: torch.Tensor, y: torch.Tensor, m: int, se
     xn = data.normalize(x, dataset)
     model = models.relu_mlp(xn[0].numel(), m, 3, seed=seed)
     dw, db, w0, b0 = _update(protocol, f, model, xn, y, seed)
-    known = {} if protocol == "fedsgd" else {"batch_size": x.shape[0]}
     t0 = time.perf_counter()
     rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
-                           **known)
+                           batch_size=x.shape[0])
     seconds = time.perf_counter() - t0
     images = data.denormalize(rec.inputs.float().reshape(-1, *x.shape[1:]), dataset)
     score = metrics.score_batch(images, x, shared=rec.merged > 0)

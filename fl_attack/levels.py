@@ -82,6 +82,7 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
         rec = readings.choose(recs, layer, clock)
     if cfg.batch_size is not None and rec.batch_size < cfg.batch_size:
         rec.merged = cfg.batch_size - rec.batch_size
+        rec.exact = False  # the merged samples are read only as one another
     return rec
 
 

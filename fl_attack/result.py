@@ -75,7 +75,8 @@ class Reconstruction:
     merged: int = 0
     """Samples of an explicit ``batch_size`` the update does not separate: the reconstruction
     has B - merged samples, and each of those missing is within the noise (or the rounding)
-    of one it has (two augmented views of one picture, a sample given twice)."""
+    of one it has (two augmented views of one picture, a sample given twice). Such a result
+    is not certified: the merged samples are read only as one another."""
     untangled: int = 0
     """Samples of groups the layer read only up to a mixture that were then read exactly,
     each verified on its own, through the next layer's weight gradient

@@ -124,10 +124,11 @@ def relaxed(ctx: SearchContext) -> SearchContext | None:
     """The context of a second pass with a lower zero threshold (``Tuning.relaxed_zero_rate``,
     at least ``Tuning.relaxed_zero_margin`` x B + 1) that completes from nothing before its
     first round (``AttackConfig.slice_first``, unless set), or None where there is none to
-    take: a noisy or FedAvg update, an explicit ``AttackConfig.tau``, the input side, or a
-    threshold already as low."""
+    take: a noisy update, an explicit ``AttackConfig.tau``, the input side, or a threshold
+    already as low (a FedAvg sum starts at ``FEDAVG_TAU``, and its second pass keeps the
+    completions' schedule)."""
     cfg, tuning, B, m = ctx.cfg, ctx.tuning, ctx.B, ctx.L.shape[0]
-    if ctx.noisy or ctx.system.subset or cfg.tau is not None or ctx.input_side:
+    if ctx.noisy or cfg.tau is not None or ctx.input_side:
         return None
     low = max(filtering.min_zero_count(m, cfg.p_false_reject, rate=tuning.relaxed_zero_rate),
               int(tuning.relaxed_zero_margin * B) + 1)
@@ -135,7 +136,9 @@ def relaxed(ctx: SearchContext) -> SearchContext | None:
         return None
     # the completions from nothing place the zero rows by the layer's own pre-activations,
     # where the search's ℓ1 minima on a trained model are mixtures that cancel its dense rows
-    first = cfg.slice_first if cfg.slice_first is not None else system_has_weights(ctx)
+    first = cfg.slice_first
+    if first is None:  # FedAvg completions keep their own schedule
+        first = system_has_weights(ctx) and not ctx.system.subset
     return dataclasses.replace(ctx, min_zeros=low,
                                cfg=dataclasses.replace(cfg, slice_first=first))
 

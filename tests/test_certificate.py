@@ -171,7 +171,8 @@ def test_a_sample_given_twice_is_read_once_and_counted(output_side, image_score)
     """A clean FedSGD batch of 20 photo crops in which sample 1 repeats sample 0: the update
     has rank 19. Told the batch size (20, as a server reads it from the reply), the attack
     reads the 19 distinct samples where the spectrum ends (the 20th direction is rounding)
-    and says one sample is not separated (``merged``); every one of the 20 images has its
+    and says one sample is not separated (``merged``), which is then not certified (the
+    batch of 20 is not read sample by sample); every one of the 20 images has its
     reconstruction when a reconstruction may stand for both copies."""
     x, y = data.sample_batch("photos32", 20, seed=2)
     x, y, _ = views.with_near_duplicates(x, y, pairs=1, kind="repeat")
@@ -182,11 +183,9 @@ def test_a_sample_given_twice_is_read_once_and_counted(output_side, image_score)
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, batch_size=20,
                            max_seconds=60)
     assert rec.batch_size == 19 and rec.merged == 1 and rec.inputs.shape == (19, 3072)
-    assert rec.as_dict()["merged"] == 1
-    if rec.exact:
-        images = data.denormalize(rec.inputs.float().reshape(-1, 3, 32, 32), "photos32")
-        score = metrics.score_batch(images, x, shared=True)
-        assert score.n_matched == 20 and float(score.psnr.min()) > 90.0
+    assert rec.as_dict()["merged"] == 1 and not rec.exact
+    images = data.denormalize(rec.inputs.float().reshape(-1, 3, 32, 32), "photos32")
+    assert metrics.score_batch(images, x, shared=True).n_matched == 20
 
 
 def test_given_a_batch_size_the_noisy_spectrum_reads_fewer_of_both_readings_are_tried() -> None:
