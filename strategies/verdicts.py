@@ -43,6 +43,7 @@ __all__ = [
     "STATUSES",
     "protected_reason",
     "reconstruction_verdict",
+    "separated_reason",
 ]
 
 CERTIFIED = "certified"
@@ -92,7 +93,7 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def protected_reason(reason: str, rank: int, limit: int) -> str:
+def protected_reason(reason: str, rank: int, limit: int, num_examples: int | None = None) -> str:
     """The plain-words reason of a ``protected`` verdict for an ``fl_attack.NotIdentifiable``.
 
     Parameters
@@ -100,12 +101,33 @@ def protected_reason(reason: str, rank: int, limit: int) -> str:
     reason : str
         ``NotIdentifiable.reason``: ``"full-rank"`` or ``"no-signal"``.
     rank, limit : int
-        The update's numerical rank and min(m, n) of the attacked layer.
+        The update's numerical rank and min(m, n) of the attacked layer (over the rows and
+        columns that carry any signal).
+    num_examples : int, optional
+        The samples the reply says the client trained on; the reason then says both, and it
+        is only given where they agree (the caller attacks an update whose reply reports fewer
+        samples than ``limit`` at the reported size instead).
     """
     if reason == "no-signal":
         return "noise hides the batch: the update has numerical rank 0"
-    return (f"the update mixes at least min(m, n) = {limit} samples (numerical rank {rank}), "
-            "more than the attacked layer can separate, or noise swamps the signal")
+    told = "" if num_examples is None else f"the reply reports {num_examples} samples; "
+    return (f"{told}the update mixes at least min(m, n) = {limit} samples (numerical rank "
+            f"{rank}), more than the attacked layer can separate, or noise swamps the signal")
+
+
+def separated_reason(batch_size: int, num_examples: int, noisy: bool) -> str:
+    """Why an update separates fewer samples than its reply reports, in plain words.
+
+    A batch's update has rank below its sample count when samples repeat, when two are equal
+    to the update's precision, or when a sample's gradient vanishes below its rounding (a
+    sample the model already fits); under noise, when the noise hides the weakest ones. What
+    the attack reads (and may certify) is then those ``batch_size`` directions, never the
+    ``num_examples`` the reply counts.
+    """
+    why = ("repeat a sample, are indistinguishable from one at the update's precision, or add "
+           "nothing the update keeps") + (", or are hidden by its noise" if noisy else "")
+    return (f"the update separates {batch_size} of the {num_examples} samples the reply reports "
+            f"(its numerical rank): the others {why}")
 
 
 def _unproven(result: dict[str, Any]) -> str:
