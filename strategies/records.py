@@ -83,6 +83,11 @@ class Pictures:
     true_batch_size: int | None = None
     note: str | None = None
     """How the inputs were shown (not images; shape inferred)."""
+    estimated: np.ndarray | None = field(default=None, repr=False)
+    """Pictures estimated from features: ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
+    the reconstructed features (not reordered)."""
+    estimated_scale: str | None = None
+    """How :attr:`estimated` was brought into ``[0, 1]`` from the model's input space."""
     error: str | None = None
     """Why the pictures or the scores could not be made."""
 
@@ -125,7 +130,8 @@ class ClientAudit:
     reads: str | None = None
     pixels: dict[str, Any] | None = None
     """For features (``reads == "features"``): the pixel step's facts (feature residual of the
-    pictures, seconds, terms used, budget, error); ``psnr`` / ``ssim`` then score the pictures."""
+    pictures, seconds, terms used, budget, error, what ``pixels.npz`` holds); ``psnr`` /
+    ``ssim`` then score the pictures."""
     epsilon: float | None = None
     epsilon_cumulative: float | None = None
     delta: float | None = None
@@ -137,6 +143,11 @@ class ClientAudit:
     recon_images: np.ndarray | None = field(default=None, repr=False)
     original_images: np.ndarray | None = field(default=None, repr=False)
     matching: np.ndarray | None = field(default=None, repr=False)
+    pixel_images: np.ndarray | None = field(default=None, repr=False)
+    """Pictures estimated from features, ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
+    ``inputs`` (``pixels["arrays"]`` says how they were scaled)."""
+    pixel_inputs: np.ndarray | None = field(default=None, repr=False)
+    """The same pictures in the model's input space (what its forward pass takes)."""
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:
@@ -167,16 +178,23 @@ class ClientAudit:
         return jsonable(line)
 
 
-def _pixel_facts(outcome: AttackOutcome) -> dict[str, Any] | None:
-    """The pixel step's facts for the record (no arrays)."""
+def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | None:
+    """The pixel step's facts for the record (no arrays), with what ``pixels.npz`` holds."""
     px = outcome.pixels
     if px is None:
         return None
     residual = px.feature_residual
-    return {"feature_residual": residual,
-            "feature_residual_mean": None if not residual else float(np.mean(residual)),
-            "seconds": px.seconds, "terms": list(px.terms),
-            "budget_exhausted": px.budget_exhausted, "error": px.error}
+    facts = {"feature_residual": residual,
+             "feature_residual_mean": None if not residual else float(np.mean(residual)),
+             "seconds": px.seconds, "terms": list(px.terms),
+             "budget_exhausted": px.budget_exhausted, "error": px.error}
+    if pics.estimated is not None:
+        facts["arrays"] = {
+            "file": "pixels.npz",
+            "images": f"(B, C, H, W) in [0, 1]: {pics.estimated_scale}",
+            "model_inputs": "(B, C, H, W) the same pictures in the model's input space",
+            "rows": "row i is estimated from row i of inputs.npz (the recovered features)"}
+    return facts
 
 
 def build_record(facts: ReplyFacts, outcome: AttackOutcome,
@@ -204,10 +222,11 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
         psnr_mean=pics.psnr_mean, ssim=pics.ssim, ssim_mean=pics.ssim_mean, reads=facts.reads,
-        pixels=_pixel_facts(outcome),
+        pixels=_pixel_facts(outcome, pics),
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
         delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,
         recon_images=pics.recon_images, original_images=pics.original_images,
-        matching=pics.matching,
+        matching=pics.matching, pixel_images=pics.estimated,
+        pixel_inputs=None if pics.estimated is None else outcome.pixels.images,
     )
