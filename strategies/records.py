@@ -61,6 +61,9 @@ class ReplyFacts:
     reads: str | None = None
     """What a reconstruction is: ``"inputs"`` (the model's own inputs: the attacked layer is
     the first) or ``"features"`` (a later layer's inputs)."""
+    passed_over: list[dict[str, str]] | None = None
+    """The linear layers before the attacked one that the attack does not cover, each with its
+    status (``not-covered``) and reason (``coverage.Passed.as_dict``)."""
 
     @property
     def client_label(self) -> str:
@@ -130,8 +133,10 @@ class ClientAudit:
     reads: str | None = None
     pixels: dict[str, Any] | None = None
     """For features (``reads == "features"``): the pixel step's facts (feature residual of the
-    pictures, seconds, terms used, budget, error, what ``pixels.npz`` holds); ``psnr`` /
-    ``ssim`` then score the pictures."""
+    pictures, seconds, terms used, budget, error, how the batch statistics of normalisations
+    were set, what ``pixels.npz`` holds); ``psnr`` / ``ssim`` then score the pictures."""
+    passed_over: list[dict[str, str]] | None = None
+    """Linear layers before the attacked one that the attack does not cover, with reasons."""
     epsilon: float | None = None
     epsilon_cumulative: float | None = None
     delta: float | None = None
@@ -171,7 +176,7 @@ class ClientAudit:
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "ran_on", "reads", "psnr_mean", "psnr", "ssim_mean", "ssim", "pixels", "epsilon",
-            "epsilon_cumulative", "delta", "noise_std", "guard", "attack",
+            "epsilon_cumulative", "delta", "noise_std", "guard", "attack", "passed_over",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
@@ -187,7 +192,8 @@ def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | Non
     facts = {"feature_residual": residual,
              "feature_residual_mean": None if not residual else float(np.mean(residual)),
              "seconds": px.seconds, "terms": list(px.terms),
-             "budget_exhausted": px.budget_exhausted, "error": px.error}
+             "budget_exhausted": px.budget_exhausted, "error": px.error,
+             "batch_statistics": px.batch_statistics}
     if pics.estimated is not None:
         facts["arrays"] = {
             "file": "pixels.npz",
@@ -222,7 +228,7 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
         psnr_mean=pics.psnr_mean, ssim=pics.ssim, ssim_mean=pics.ssim_mean, reads=facts.reads,
-        pixels=_pixel_facts(outcome, pics),
+        pixels=_pixel_facts(outcome, pics), passed_over=facts.passed_over,
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
         delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,

@@ -19,7 +19,9 @@ answer, not as a crash report:
 ``refused``         the client's ``LeakGuard`` proved its update readable and withheld it: the
                     reply carries no update
 ``not-covered``     the update is outside what this attack covers (``reason`` says which of its
-                    assumptions fails: a ReLU after the attacked layer, a sum of gradient steps)
+                    assumptions fails: a ReLU after the attacked layer, a BatchNorm between them,
+                    a bias gradient); where a later layer is covered the audit attacks that one
+                    and lists this one in the record's ``passed_over`` instead
 ``no-update``       the client sent back the global model unchanged: nothing to attack
 ``skipped``         not attacked by the audit's sampling (``reason`` says which rule)
 ``corrupt``         the reply cannot be aggregated (NaN, wrong shapes, ...): withheld
@@ -41,9 +43,12 @@ __all__ = [
     "MEANINGS",
     "RECONSTRUCTED",
     "STATUSES",
+    "batchnorm_reason",
+    "not_relu_reason",
     "protected_reason",
     "reconstruction_verdict",
     "separated_reason",
+    "still_bias_reason",
 ]
 
 CERTIFIED = "certified"
@@ -128,6 +133,46 @@ def separated_reason(batch_size: int, num_examples: int, noisy: bool) -> str:
            "nothing the update keeps") + (", or are hidden by its noise" if noisy else "")
     return (f"the update separates {batch_size} of the {num_examples} samples the reply reports "
             f"(its numerical rank): the others {why}")
+
+
+def not_relu_reason(layer: str, after: str | None) -> str:
+    """Why a layer whose output does not go straight into a ReLU is ``not-covered``."""
+    name = layer.removesuffix(".weight")
+    if after is not None and after.startswith("BatchNorm"):
+        return batchnorm_reason(layer, after, train=None)
+    return (f"the layer {name}'s output goes into {after or 'something the model does not name'}"
+            ", not a ReLU: the sparsity this attack reads (and its certificate) needs a ReLU "
+            "right after the layer")
+
+
+def batchnorm_reason(layer: str, norm: str, train: bool | None) -> str:
+    """Why a layer followed by a BatchNorm is ``not-covered``.
+
+    ``train``: the client's running statistics moved (the norm normalised with each batch's
+    own statistics), ``False``: they did not (frozen statistics), ``None``: unknown.
+    """
+    name = layer.removesuffix(".weight")
+    if train is False:
+        return (f"the layer {name}'s output goes into a BatchNorm ({norm}) with frozen "
+                "statistics: the ReLU after it cuts the normalised output at zero, not the "
+                "layer's own output, so the zeros this attack reads are not the layer's: "
+                "outside what this attack covers")
+    into = (f"goes into a BatchNorm ({norm}) in train mode: its" if train else
+            f"goes into a BatchNorm ({norm}): in train mode its")
+    return (f"the layer {name}'s output {into} batch statistics couple the batch's samples "
+            "and cancel the layer's bias gradient, so neither the ReLU's zeros nor the bias "
+            "gradient (with which the attack fixes each sample's scale) belong to single "
+            "samples: outside what this attack covers")
+
+
+def still_bias_reason(layer: str) -> str:
+    """Why a layer whose bias did not move while its weights did is ``not-covered``."""
+    name = layer.removesuffix(".weight")
+    return (f"the layer {name}'s bias did not move while its weights did (on every unit by "
+            "less than 1e-4 of the unit's weight change: rounding): a BatchNorm over the batch "
+            "after the layer "
+            "cancels the bias gradient (or the bias is frozen), and the attack needs it to "
+            "fix each sample's scale: outside what this attack covers")
 
 
 def _unproven(result: dict[str, Any]) -> str:
