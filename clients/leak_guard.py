@@ -219,8 +219,10 @@ def _is_train(msg: Message) -> bool:
 
 def _attack(sent: Mapping[str, np.ndarray], reply: Message,
             settings: AttackSettings) -> AttackOutcome:
-    """The server's attack on ``sent -> reply``, run in this process."""
-    from fl_attack_flwr.replies import build_job, choose_layer
+    """The server's attack on ``sent -> reply``, run in this process, on the layer the server
+    would attack (the first the attack covers: ``coverage.scan_layers``)."""
+    from fl_attack_flwr.coverage import passed_words, scan_layers
+    from fl_attack_flwr.replies import build_job
     from fl_attack_flwr.running import run_job
 
     if len(reply.content.array_records) != 1:
@@ -229,8 +231,11 @@ def _attack(sent: Mapping[str, np.ndarray], reply: Message,
     back = {k: v.numpy() for k, v in next(iter(reply.content.array_records.values())).items()}
     state = dict(sent)
     try:
-        job = build_job(0, 0, "leak-guard", state, back, choose_layer(state, settings.weight_key,
-                                                                    settings.bias_key), settings)
+        layer, passed = scan_layers(state, back, settings)
+        if layer is None:
+            return AttackOutcome(verdicts.NOT_COVERED, reason=passed_words(
+                passed, settings.weight_key is not None))
+        job = build_job(0, 0, "leak-guard", state, back, layer, settings)
     except ValueError as exc:
         if "identically zero" in str(exc):
             return AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))

@@ -53,6 +53,7 @@ from fl_attack.clock import Clock, passed
 from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
 from fl_attack.decompose import decompose
+from fl_attack.errors import NotIdentifiable
 from fl_attack.match import ambiguous, forgive_chance_zeros
 from fl_attack.pool import CandidatePool
 from fl_attack.result import Reconstruction, build_reconstruction
@@ -292,7 +293,8 @@ def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     ------
     ValueError
         When the batch is not smaller than ``min(m, n)`` (the transposed problem is then not
-        identifiable either).
+        identifiable either): :class:`~fl_attack.errors.NotIdentifiable` with the rank read,
+        as on the output side.
     """
     G, g = layer.weight_grad, layer.bias_grad
     generator = torch.Generator().manual_seed(seed)
@@ -300,6 +302,10 @@ def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     try:
         dec = decompose(G.T, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
                         floor_rtol=rank_floor(layer.precision))
+    except NotIdentifiable as exc:  # the same rank as G's: keep why, for the caller
+        raise NotIdentifiable(f"sparse='input' (inverting Gᵀ, inputs of dimension n = "
+                              f"{G.shape[1]}): {exc}", reason=exc.reason, rank=exc.rank,
+                              limit=exc.limit) from exc
     except ValueError as exc:
         raise ValueError(f"sparse='input' (inverting Gᵀ, inputs of dimension n = {G.shape[1]}): "
                          f"{exc}") from exc

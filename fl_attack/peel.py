@@ -23,6 +23,7 @@ import torch
 
 from fl_attack.clock import passed
 from fl_attack.decompose import Decomposition, decompose
+from fl_attack.errors import NotIdentifiable
 
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 """Largest σ_min/σ_max of the next layer's rows on a column's zero rows that counts as a kernel.
@@ -95,7 +96,10 @@ def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol:
         U, sv, Vh = torch.linalg.svd(G2 @ Y, full_matrices=False)
         if sv[B - 1] > 0 and sv[B] < CLIFF * sv[B - 1]:
             return (Y @ Vh[:B].T).T.contiguous()
-    dec = decompose(G2, floor_rtol=floor_rtol)
+    try:
+        dec = decompose(G2, floor_rtol=floor_rtol)
+    except NotIdentifiable:  # the next layer's rank is full or zero: not B either
+        return None
     if dec.batch_size != B:
         return None
     return torch.linalg.qr(dec.R.T).Q.T  # the row space, orthonormal

@@ -30,6 +30,14 @@ def _as_f64(value: object, key: str) -> Tensor:
     raise ValueError(f"{key!r} is neither a torch tensor nor a numpy array: {type(value).__name__}")
 
 
+def _is_float(value: object) -> bool:
+    """Whether ``value`` (a torch tensor or anything with a numpy dtype) holds real floats."""
+    if isinstance(value, Tensor):
+        return value.is_floating_point()
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and np.issubdtype(np.dtype(dtype), np.floating)
+
+
 def _bias_key_for(weight_key: str) -> str:
     if weight_key.endswith("weight"):
         return weight_key[: -len("weight")] + "bias"
@@ -46,14 +54,16 @@ def layer_keys(state: Mapping[str, ArrayLike]) -> list[tuple[str, str]]:
     exists and is 1-d with one value per output row. For ``fl_attack.testbed.models.relu_mlp`` this
     gives ``[("1.weight", "1.bias"), ("3.weight", "3.bias"), ...]`` (index 0 is ``nn.Flatten``).
     Layers without a bias are left out: the SPEAR attack needs the bias update to fix the scales.
+    So are integer and other non-float arrays (a quantised layer's codes, a buffer named
+    ``...weight``): their differences are no gradient.
     """
     pairs: list[tuple[str, str]] = []
     for key, value in state.items():
-        if not key.endswith("weight") or len(tuple(value.shape)) != 2:
+        if not key.endswith("weight") or len(tuple(value.shape)) != 2 or not _is_float(value):
             continue
         bias_key = _bias_key_for(key)
         bias = state.get(bias_key)
-        if bias is None or tuple(bias.shape) != (tuple(value.shape)[0],):
+        if bias is None or tuple(bias.shape) != (tuple(value.shape)[0],) or not _is_float(bias):
             continue
         pairs.append((key, bias_key))
     return pairs

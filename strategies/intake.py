@@ -21,6 +21,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 
 from fl_attack_flwr import verdicts
+from fl_attack_flwr.coverage import Passed, passed_words, scan_layers
 from fl_attack_flwr.outcome import AttackOutcome
 from fl_attack_flwr.pixel_step import LayerPlan, ModelPlan
 from fl_attack_flwr.protocol import (
@@ -156,24 +157,27 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
             raise ValueError("the server has no record of the arrays it sent this node")
         g_state = {k: v.numpy() for k, v in sent.items()}
         n_state = {k: v.numpy() for k, v in returned.items()}
-        layer = choose_layer(g_state, ctx.settings.weight_key, ctx.settings.bias_key)
-        plan = None if ctx.model is None else ctx.model.layer(layer.weight_key, g_state)
+        model = ctx.model
+        plan_of = None if model is None else (lambda key: model.layer(key, g_state))
+        layer, passed = scan_layers(g_state, n_state, ctx.settings, plan_of)
+        facts = dataclasses.replace(facts, passed_over=[p.as_dict() for p in passed] or None)
+        if layer is None:
+            first = choose_layer(g_state, passed[0].layer)
+            facts = dataclasses.replace(facts, layer=first.weight_key,
+                                        layer_shape=list(first.shape))
+            return facts, AttackOutcome(verdicts.NOT_COVERED, reason=passed_words(
+                passed, ctx.settings.weight_key is not None))
+        plan = None if plan_of is None else plan_of(layer.weight_key)
         facts = dataclasses.replace(
             facts, layer=layer.weight_key, layer_shape=list(layer.shape),
             reads="inputs" if layer.first_is_linear else "features",
-            inputs_are=_what_is_read(layer, plan) or facts.inputs_are)
-        if plan is not None and plan.relu_after is False:
-            return facts, AttackOutcome(verdicts.NOT_COVERED, reason=(
-                f"the attacked layer {layer.weight_key.removesuffix('.weight')}'s output goes "
-                f"into {plan.after}, not "
-                "a ReLU: the sparsity this attack reads (and its certificate) needs a ReLU "
-                "right after the layer"))
+            inputs_are=_what_is_read(layer, plan, passed) or facts.inputs_are)
         job = build_job(facts.server_round, facts.node_id, facts.client_label, g_state,
                         n_state, layer, ctx.settings)
         job = dataclasses.replace(job, num_examples=facts.num_examples or None)
-        if plan is not None and not layer.first_is_linear and ctx.model is not None:
-            job = dataclasses.replace(job, pixels=ctx.model.task(plan, g_state, n_state,
-                                                                ctx.settings.seed))
+        if plan is not None and not layer.first_is_linear and model is not None:
+            job = dataclasses.replace(job, pixels=model.task(plan, g_state, n_state,
+                                                             ctx.settings.seed))
     except ValueError as exc:
         if "identically zero" in str(exc):
             return facts, AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
@@ -183,13 +187,20 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
     return facts, job
 
 
-def _what_is_read(layer: LayerChoice, plan: LayerPlan | None) -> str | None:
+def _what_is_read(layer: LayerChoice, plan: LayerPlan | None,
+                  passed: list[Passed]) -> str | None:
     """The note on what the reconstructions are, for a layer that is not the model's first."""
     if layer.first_is_linear:
         return None
-    head = (f"The attacked layer {layer.weight_key.removesuffix('.weight')} is not the model's "
-            "first layer: what the attack recovers (and certifies) are its input features, not "
-            "the raw inputs.")
+    name = layer.weight_key.removesuffix(".weight")
+    head = (f"The attacked layer {name} is not the model's first layer: what the attack "
+            "recovers (and certifies) are its input features, not the raw inputs.")
+    if passed:
+        skipped = ", ".join(p.layer.removesuffix(".weight") for p in passed)
+        head = (f"Not covered: {skipped} ({passed[0].reason}). The audit attacked {name}, the "
+                "first layer after it that it covers: what the attack recovers (and certifies) "
+                f"are {name}'s input features, the output of the block before it, not the raw "
+                "inputs.")
     if plan is None:
         return head + (" Pass the model to the audit (AuditingStrategy(..., model=Net)) to "
                        "estimate pictures from them.")

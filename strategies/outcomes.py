@@ -55,17 +55,19 @@ def pictures_of(outcome: AttackOutcome, facts: ReplyFacts, view: InputView,
                              "shown as numbers.")
     note = (f"Input shape {images.shape[1:]} inferred from the layer's {images[0].size} "
             "inputs; pictures scaled per image.") if inferred else None
+    kept = {} if facts.reads != "features" else {"estimated": images,
+                                                  "estimated_scale": view.scale_words(inferred)}
     if truth is None or not facts.sample_indices:
-        return Pictures(recon_images=images, note=note)
+        return Pictures(recon_images=images, note=note, **kept)
     try:
         originals = truth.images(facts.sample_indices)
         score = score_images(images, originals)
     except ValueError as exc:
-        return Pictures(recon_images=images, note=note, error=f"scoring failed: {exc}")
+        return Pictures(recon_images=images, note=note, error=f"scoring failed: {exc}", **kept)
     return Pictures(recon_images=score.matched, original_images=originals.numpy(),
                     matching=score.matching, psnr=score.psnr, psnr_mean=score.psnr_mean,
                     ssim=score.ssim, ssim_mean=score.ssim_mean,
-                    true_batch_size=int(originals.shape[0]), note=note)
+                    true_batch_size=int(originals.shape[0]), note=note, **kept)
 
 
 def log_record(record: ClientAudit) -> None:

@@ -26,7 +26,10 @@ from typing import Any
 import numpy as np
 
 __all__ = ["LayerPlan", "ModelPlan", "PixelOutcome", "PixelTask", "load_model",
-           "model_input_shape", "pixel_task", "run_pixels"]
+           "model_input_shape", "pixel_task", "run_pixels", "set_batch_statistics"]
+
+#: The buffers a BatchNorm keeps its running statistics in.
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
 #: Image sizes tried when the model's input shape is neither given nor known from a dataset.
 _SIDES = (32, 28, 64, 224, 96, 128, 16, 256)
@@ -49,6 +52,9 @@ class PixelTask:
     max_seconds: float = 60.0
     restarts: int = 4
     seed: int = 0
+    norm_returned: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """The running statistics the client returned (``...running_mean``, ``...running_var``,
+    ``...num_batches_tracked``): where the batch statistics of its BatchNorms are read."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class PixelOutcome:
     terms: tuple[str, ...] = ()
     budget_exhausted: bool = False
     error: str | None = None
+    batch_statistics: str | None = None
+    """How the model's BatchNorms were set to the batch's statistics (``None``: it has none)."""
 
 
 def load_model(spec: Any, state: Mapping[str, np.ndarray]) -> Any:
@@ -112,9 +120,10 @@ def pixel_task(spec: Any, sent: Mapping[str, np.ndarray], returned: Mapping[str,
     updates = {k: np.asarray(sent[k], np.float64) - np.asarray(returned[k], np.float64)
                for k in before if np.issubdtype(np.asarray(sent[k]).dtype, np.floating)
                and np.ndim(sent[k]) >= 1}
+    stats = {k: np.array(v) for k, v in returned.items() if k.endswith(_RUNNING)}
     return PixelTask(spec, {k: np.array(v) for k, v in sent.items()}, updates, weight_key,
                      tuple(int(s) for s in input_shape), bounds, float(max_seconds),
-                     seed=int(seed))
+                     seed=int(seed), norm_returned=stats)
 
 
 def run_pixels(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | None,
@@ -139,6 +148,7 @@ def _invert(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | Non
 
     model = load_model(task.model, task.sent)
     extractor = feature_extractor(model, task.weight_key)
+    norms = set_batch_statistics(model, extractor, task, len(features))
     params = dict(model.named_parameters())
     grads = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in task.updates.items()
              if k in params}
@@ -153,7 +163,99 @@ def _invert(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | Non
         restarts=task.restarts, seed=task.seed, device="cpu")
     return PixelOutcome(rec.images.double().numpy(),
                         [float(v) for v in rec.feature_residual.sqrt()],
-                        time.perf_counter() - t0, tuple(rec.terms), bool(rec.budget_exhausted))
+                        time.perf_counter() - t0, tuple(rec.terms), bool(rec.budget_exhausted),
+                        batch_statistics=norms)
+
+
+def set_batch_statistics(model: Any, extractor: Any, task: PixelTask, rows: int) -> str | None:
+    """Give each BatchNorm before the attacked layer the statistics the client's batch was
+    normalised with, read off the running statistics it returned; say how (``None``: none).
+
+    In train mode a BatchNorm normalises with the batch's own mean and variance, which the
+    server never sees; it also folds them into its running statistics, which the client sends
+    back. After k steps with momentum μ, ``r_k = (1-μ)^k r_0 + Σ_j μ (1-μ)^(k-j) s_j``, so
+    ``(r_k - (1-μ)^k r_0) / (1 - (1-μ)^k)`` is the batch's statistic for k = 1, exactly (the
+    running variance is the unbiased one over n = B·H·W values per channel; the forward pass
+    divides by n), and a weighted mean of the k batches' otherwise, an estimate. The model
+    then runs in eval mode with these as its running statistics, so for one step its features
+    are those of the client's forward pass. A norm whose statistics did not move normalised
+    with the ones sent (frozen) and keeps them. ``ValueError`` for a BatchNorm without running
+    statistics (it normalises whatever batch it is given: the client's is unknown).
+    """
+    import torch
+
+    norms = {m: name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    counts = _values_per_channel(extractor, task.input_shape, list(norms))
+    words = []
+    for module, name in norms.items():
+        if module not in counts:  # after the attacked layer: the features never see it
+            continue
+        if module.running_mean is None or module.running_var is None:
+            raise ValueError(f"the BatchNorm {name} keeps no running statistics, so the batch "
+                             "statistics it normalised with are unknown to the server")
+        words.append(f"{name}: " + _batch_statistic(module, name, task.norm_returned,
+                                                    rows * counts[module]))
+    return None if not words else "; ".join(words)
+
+
+def _values_per_channel(extractor: Any, input_shape: tuple[int, int, int],
+                        modules: list[Any]) -> dict[Any, int]:
+    """Per sample, how many values each of ``modules`` normalises per channel (H·W, or 1),
+    for the modules the forward pass up to the attacked layer runs."""
+    import torch
+
+    seen: dict[Any, int] = {}
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        seen[module] = int(np.prod(args[0].shape[2:]))
+
+    handles = [m.register_forward_pre_hook(hook) for m in modules]
+    try:
+        with torch.no_grad():
+            extractor(torch.zeros(1, *input_shape))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _batch_statistic(module: Any, name: str, returned: Mapping[str, np.ndarray],
+                     n: int) -> str:
+    """Set ``module``'s running statistics to the batch's (see :func:`set_batch_statistics`);
+    the words that say how (``n``: values per channel in one batch)."""
+    import torch
+
+    prefix = f"{name}." if name else ""
+    mean, var = returned.get(prefix + "running_mean"), returned.get(prefix + "running_var")
+    if mean is None or var is None:
+        return "the statistics sent (the reply holds none of its own)"
+    new_m, new_v = (torch.as_tensor(np.asarray(v, np.float64)) for v in (mean, var))
+    old_m, old_v = module.running_mean.double(), module.running_var.double()
+    count = returned.get(prefix + "num_batches_tracked")
+    old_count = module.num_batches_tracked
+    if count is not None and old_count is not None:
+        steps = int(round(float(np.asarray(count)) - float(old_count)))
+    else:
+        steps = int(not (torch.equal(new_m, old_m) and torch.equal(new_v, old_v)))
+    if steps <= 0:
+        return "frozen statistics (they did not move), as sent"
+    if module.momentum is None:  # a cumulative average over num_batches_tracked batches
+        total = float(np.asarray(count)) if count is not None else float(steps)
+        mix = (total - steps) / total
+    else:
+        mix = (1.0 - float(module.momentum)) ** steps
+    batch_m = (new_m - mix * old_m) / (1.0 - mix)
+    batch_v = (new_v - mix * old_v) / (1.0 - mix)
+    if steps == 1 and n > 1:
+        batch_v = batch_v * (n - 1) / n
+    module.running_mean.copy_(batch_m.to(module.running_mean))
+    module.running_var.copy_(batch_v.clamp_min(0.0).to(module.running_var))
+    if steps == 1:
+        return ("the batch's own mean and variance, recovered exactly from the running "
+                "statistics the client returned (one step)")
+    return (f"the mean of {steps} steps' batch statistics, estimated from the running "
+            "statistics the client returned (not the last batch's own)")
 
 
 @dataclass(frozen=True)

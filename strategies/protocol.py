@@ -59,7 +59,7 @@ GUARD_KEYS = ("leak-guard-status", "leak-guard-refused", "leak-guard-escalated",
 #: ``timeout`` is the guard's budget ending the check before it proved anything.
 GUARD_CODES: dict[int, str] = {0: "not-checked", 1: "certified", 2: "not-certified",
                                3: "partial", 4: "protected", 5: "no-update", 6: "timeout",
-                               7: "out-of-memory", 8: "attack-error"}
+                               7: "out-of-memory", 8: "attack-error", 9: "not-covered"}
 
 #: Local training protocols of the plugin's clients.
 PROTOCOLS = ("fedsgd", "fedavg", "dpsgd")

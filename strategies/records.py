@@ -61,6 +61,9 @@ class ReplyFacts:
     reads: str | None = None
     """What a reconstruction is: ``"inputs"`` (the model's own inputs: the attacked layer is
     the first) or ``"features"`` (a later layer's inputs)."""
+    passed_over: list[dict[str, str]] | None = None
+    """The linear layers before the attacked one that the attack does not cover, each with its
+    status (``not-covered``) and reason (``coverage.Passed.as_dict``)."""
 
     @property
     def client_label(self) -> str:
@@ -83,6 +86,11 @@ class Pictures:
     true_batch_size: int | None = None
     note: str | None = None
     """How the inputs were shown (not images; shape inferred)."""
+    estimated: np.ndarray | None = field(default=None, repr=False)
+    """Pictures estimated from features: ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
+    the reconstructed features (not reordered)."""
+    estimated_scale: str | None = None
+    """How :attr:`estimated` was brought into ``[0, 1]`` from the model's input space."""
     error: str | None = None
     """Why the pictures or the scores could not be made."""
 
@@ -125,7 +133,10 @@ class ClientAudit:
     reads: str | None = None
     pixels: dict[str, Any] | None = None
     """For features (``reads == "features"``): the pixel step's facts (feature residual of the
-    pictures, seconds, terms used, budget, error); ``psnr`` / ``ssim`` then score the pictures."""
+    pictures, seconds, terms used, budget, error, how the batch statistics of normalisations
+    were set, what ``pixels.npz`` holds); ``psnr`` / ``ssim`` then score the pictures."""
+    passed_over: list[dict[str, str]] | None = None
+    """Linear layers before the attacked one that the attack does not cover, with reasons."""
     epsilon: float | None = None
     epsilon_cumulative: float | None = None
     delta: float | None = None
@@ -137,6 +148,11 @@ class ClientAudit:
     recon_images: np.ndarray | None = field(default=None, repr=False)
     original_images: np.ndarray | None = field(default=None, repr=False)
     matching: np.ndarray | None = field(default=None, repr=False)
+    pixel_images: np.ndarray | None = field(default=None, repr=False)
+    """Pictures estimated from features, ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
+    ``inputs`` (``pixels["arrays"]`` says how they were scaled)."""
+    pixel_inputs: np.ndarray | None = field(default=None, repr=False)
+    """The same pictures in the model's input space (what its forward pass takes)."""
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:
@@ -160,23 +176,31 @@ class ClientAudit:
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "ran_on", "reads", "psnr_mean", "psnr", "ssim_mean", "ssim", "pixels", "epsilon",
-            "epsilon_cumulative", "delta", "noise_std", "guard", "attack",
+            "epsilon_cumulative", "delta", "noise_std", "guard", "attack", "passed_over",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
         return jsonable(line)
 
 
-def _pixel_facts(outcome: AttackOutcome) -> dict[str, Any] | None:
-    """The pixel step's facts for the record (no arrays)."""
+def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | None:
+    """The pixel step's facts for the record (no arrays), with what ``pixels.npz`` holds."""
     px = outcome.pixels
     if px is None:
         return None
     residual = px.feature_residual
-    return {"feature_residual": residual,
-            "feature_residual_mean": None if not residual else float(np.mean(residual)),
-            "seconds": px.seconds, "terms": list(px.terms),
-            "budget_exhausted": px.budget_exhausted, "error": px.error}
+    facts = {"feature_residual": residual,
+             "feature_residual_mean": None if not residual else float(np.mean(residual)),
+             "seconds": px.seconds, "terms": list(px.terms),
+             "budget_exhausted": px.budget_exhausted, "error": px.error,
+             "batch_statistics": px.batch_statistics}
+    if pics.estimated is not None:
+        facts["arrays"] = {
+            "file": "pixels.npz",
+            "images": f"(B, C, H, W) in [0, 1]: {pics.estimated_scale}",
+            "model_inputs": "(B, C, H, W) the same pictures in the model's input space",
+            "rows": "row i is estimated from row i of inputs.npz (the recovered features)"}
+    return facts
 
 
 def build_record(facts: ReplyFacts, outcome: AttackOutcome,
@@ -204,10 +228,11 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
         psnr_mean=pics.psnr_mean, ssim=pics.ssim, ssim_mean=pics.ssim_mean, reads=facts.reads,
-        pixels=_pixel_facts(outcome),
+        pixels=_pixel_facts(outcome, pics), passed_over=facts.passed_over,
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
         delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,
         recon_images=pics.recon_images, original_images=pics.original_images,
-        matching=pics.matching,
+        matching=pics.matching, pixel_images=pics.estimated,
+        pixel_inputs=None if pics.estimated is None else outcome.pixels.images,
     )

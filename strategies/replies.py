@@ -139,8 +139,9 @@ def corrupt_reason(reply: Message, global_arrays: ArrayRecord | None,
     """Why a (non-error) training reply cannot be aggregated, or ``None`` when it can.
 
     Checks what FedAvg relies on: exactly one ArrayRecord with the same array names and shapes as
-    the global model, numeric and finite, and exactly one MetricRecord with a positive finite
-    ``weighted_by_key``.
+    the global model, real numbers or booleans (integer buffers such as BatchNorm's
+    ``num_batches_tracked`` included: the audit never attacks them) and finite, and exactly one
+    MetricRecord with a positive finite ``weighted_by_key``.
     """
     content = reply.content
     if len(content.array_records) != 1:
@@ -174,7 +175,8 @@ def _array_problem(key: str, arr: Any, global_arrays: ArrayRecord | None) -> str
         want = tuple(global_arrays[key].shape)
         if tuple(value.shape) != want:
             return f"array {key!r} has shape {tuple(value.shape)}, expected {want}"
-    if not (np.issubdtype(value.dtype, np.number) and not np.iscomplexobj(value)):
+    real = np.issubdtype(value.dtype, np.number) and not np.iscomplexobj(value)
+    if not (real or value.dtype == np.bool_):  # FedAvg's weighted sum takes ints and bools
         return f"array {key!r} is not real numeric (dtype {value.dtype})"
     if not np.isfinite(value).all():
         return f"array {key!r} contains NaN or inf"

@@ -66,9 +66,7 @@ def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> Atta
     try:
         rec, known = _invert_reading(job, reading)
     except NotIdentifiable as exc:
-        return AttackOutcome(verdicts.PROTECTED,
-                             reason=verdicts.protected_reason(exc.reason, exc.rank, exc.limit),
-                             reading=reading, seconds=time.perf_counter() - t0)
+        return _not_identifiable(job, reading, exc, time.perf_counter() - t0)
     except MemoryError as exc:
         return error_outcome(verdicts.OUT_OF_MEMORY, f"MemoryError: {exc}",
                              time.perf_counter() - t0)
@@ -85,8 +83,13 @@ def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> Atta
     if known is not None:
         summary["batch_size_from"] = known
     status, reason = verdicts.reconstruction_verdict(summary)
-    if known is not None and status != verdicts.CERTIFIED:
-        reason = f"{known}; {reason}"
+    notes = [known] if known is not None else []
+    if job.num_examples is not None and rec.batch_size < job.num_examples:
+        summary["separated"] = verdicts.separated_reason(rec.batch_size, job.num_examples,
+                                                         bool(summary.get("noisy")))
+        notes.append(summary["separated"])
+    if notes:
+        reason = "; ".join([*notes, *([reason] if reason else [])])
     inputs = rec.inputs.detach().cpu().double().numpy()
     pixels = None
     if job.pixels is not None and rec.n_directions == rec.batch_size:
@@ -98,6 +101,24 @@ def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> Atta
     return AttackOutcome(status, reason=reason, reading=reading,
                          seconds=time.perf_counter() - t0, inputs=inputs, summary=summary,
                          pixels=pixels)
+
+
+def _not_identifiable(job: AttackJob, reading: str, exc: Any, seconds: float) -> AttackOutcome:
+    """``protected`` for an update whose batch the attacked layer cannot separate.
+
+    An update whose reply reports fewer samples than the layer's limit is attacked at the
+    reported size (:func:`_invert_reading`), which never raises this; a ``full-rank`` past that
+    point is another matrix's (not the attacked layer's) and is a fault, not a verdict.
+    """
+    n = job.num_examples
+    if exc.reason == "full-rank" and n is not None and n < exc.limit:
+        return error_outcome(verdicts.ATTACK_ERROR, (
+            f"NotIdentifiable: {exc} (raised for a matrix of numerical rank {exc.rank}, although "
+            f"the reply reports {n} samples and the attacked layer is read at that size: not a "
+            "verdict on this update)"), seconds)
+    return AttackOutcome(verdicts.PROTECTED,
+                         reason=verdicts.protected_reason(exc.reason, exc.rank, exc.limit, n),
+                         reading=reading, seconds=seconds)
 
 
 def _invert_reading(job: AttackJob, reading: str) -> tuple[Any, str | None]:

@@ -96,6 +96,17 @@ class InputView:
             return None
         return (tuple(float(v) for v in -mean / std), tuple(float(v) for v in (1 - mean) / std))
 
+    def scale_words(self, inferred: bool) -> str:
+        """How :meth:`images` brings inputs into ``[0, 1]``, in words (``inferred``: the shape
+        was inferred)."""
+        if self.transform is not None and callable(self.transform):
+            return "the model's inputs mapped back by input_transform, clipped to [0, 1]"
+        if self.transform is not None:
+            return "the model's inputs times std plus mean (input_transform), clipped to [0, 1]"
+        if self.dataset is not None and not inferred:
+            return f"the model's inputs denormalised as {self.dataset}, clipped to [0, 1]"
+        return "each image scaled from its own minimum to its maximum (no input_transform given)"
+
     def images(self, inputs: np.ndarray) -> tuple[np.ndarray | None, bool]:
         """``((B, C, H, W) images in [0, 1] or None, shape inferred)`` of reconstructed inputs."""
         x = torch.as_tensor(np.array(inputs, dtype=np.float64))  # a writable copy

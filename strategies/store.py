@@ -13,6 +13,9 @@ Layout of ``<output-dir>/<run-name>/``::
         reconstruction.png           grid of the reconstructed images (denormalised)
         original.png                 grid of the client's true images (audit mode only)
         inputs.npz                   raw reconstructed layer inputs (+ matching, indices)
+        pixels.npz                   pictures estimated from features, one per row of inputs:
+                                     ``images`` in [0, 1], ``model_inputs`` in the model's
+                                     input space (the record's ``pixels["arrays"]`` says how)
         metrics.json                 the client's line of metrics.jsonl
     rounds.jsonl                     a JSON line per round as its facts land (timings, audit
                                      and evaluation metrics); a round's last line holds all
@@ -72,7 +75,14 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def _without_arrays(record: ClientAudit) -> ClientAudit:
     """``record`` without its reconstruction, pictures and raw inputs."""
     return dataclasses.replace(record, inputs=None, recon_images=None, original_images=None,
-                               matching=None)
+                               matching=None, pixel_images=None, pixel_inputs=None)
+
+
+def _npz(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``arrays`` as the bytes of a compressed ``.npz`` file."""
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
 
 
 def new_run_name() -> str:
@@ -94,8 +104,9 @@ class AuditStore:
         The run configuration, written to ``config.json`` and shown in the report.
     reconstructions : bool
         ``False``: metrics only. Verdicts, λ, statuses and scores are written, but no
-        reconstruction, original or raw input (no PNG, no ``inputs.npz``, no pictures in the
-        report): for deployments and CI pipelines that must not hold the clients' data.
+        reconstruction, original or raw input (no PNG, no ``inputs.npz`` or ``pixels.npz``, no
+        pictures in the report): for deployments and CI pipelines that must not hold the
+        clients' data.
     retain_rounds : int, optional
         Keep the reconstruction files of the last ``retain_rounds`` audited rounds only: when a
         later round is stored, the pictures and raw inputs of older rounds are deleted (their
@@ -184,9 +195,12 @@ class AuditStore:
                 arrays["matching"] = np.asarray(record.matching)
             if record.sample_indices is not None:
                 arrays["sample_indices"] = np.asarray(record.sample_indices, dtype=np.int64)
-            buf = io.BytesIO()
-            np.savez_compressed(buf, **arrays)
-            files.append(atomic_write_bytes(cdir / "inputs.npz", buf.getvalue()))
+            files.append(atomic_write_bytes(cdir / "inputs.npz", _npz(arrays)))
+        if record.pixel_images is not None:
+            pixels = {"images": np.asarray(record.pixel_images, dtype=np.float32)}
+            if record.pixel_inputs is not None:
+                pixels["model_inputs"] = np.asarray(record.pixel_inputs, dtype=np.float32)
+            files.append(atomic_write_bytes(cdir / "pixels.npz", _npz(pixels)))
         return files
 
     def _forget_before(self, first_kept: int) -> None:

@@ -19,7 +19,9 @@ answer, not as a crash report:
 ``refused``         the client's ``LeakGuard`` proved its update readable and withheld it: the
                     reply carries no update
 ``not-covered``     the update is outside what this attack covers (``reason`` says which of its
-                    assumptions fails: a ReLU after the attacked layer, a sum of gradient steps)
+                    assumptions fails: a ReLU after the attacked layer, a BatchNorm between them,
+                    a bias gradient); where a later layer is covered the audit attacks that one
+                    and lists this one in the record's ``passed_over`` instead
 ``no-update``       the client sent back the global model unchanged: nothing to attack
 ``skipped``         not attacked by the audit's sampling (``reason`` says which rule)
 ``corrupt``         the reply cannot be aggregated (NaN, wrong shapes, ...): withheld
@@ -41,8 +43,12 @@ __all__ = [
     "MEANINGS",
     "RECONSTRUCTED",
     "STATUSES",
+    "batchnorm_reason",
+    "not_relu_reason",
     "protected_reason",
     "reconstruction_verdict",
+    "separated_reason",
+    "still_bias_reason",
 ]
 
 CERTIFIED = "certified"
@@ -92,7 +98,7 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def protected_reason(reason: str, rank: int, limit: int) -> str:
+def protected_reason(reason: str, rank: int, limit: int, num_examples: int | None = None) -> str:
     """The plain-words reason of a ``protected`` verdict for an ``fl_attack.NotIdentifiable``.
 
     Parameters
@@ -100,12 +106,73 @@ def protected_reason(reason: str, rank: int, limit: int) -> str:
     reason : str
         ``NotIdentifiable.reason``: ``"full-rank"`` or ``"no-signal"``.
     rank, limit : int
-        The update's numerical rank and min(m, n) of the attacked layer.
+        The update's numerical rank and min(m, n) of the attacked layer (over the rows and
+        columns that carry any signal).
+    num_examples : int, optional
+        The samples the reply says the client trained on; the reason then says both, and it
+        is only given where they agree (the caller attacks an update whose reply reports fewer
+        samples than ``limit`` at the reported size instead).
     """
     if reason == "no-signal":
         return "noise hides the batch: the update has numerical rank 0"
-    return (f"the update mixes at least min(m, n) = {limit} samples (numerical rank {rank}), "
-            "more than the attacked layer can separate, or noise swamps the signal")
+    told = "" if num_examples is None else f"the reply reports {num_examples} samples; "
+    return (f"{told}the update mixes at least min(m, n) = {limit} samples (numerical rank "
+            f"{rank}), more than the attacked layer can separate, or noise swamps the signal")
+
+
+def separated_reason(batch_size: int, num_examples: int, noisy: bool) -> str:
+    """Why an update separates fewer samples than its reply reports, in plain words.
+
+    A batch's update has rank below its sample count when samples repeat, when two are equal
+    to the update's precision, or when a sample's gradient vanishes below its rounding (a
+    sample the model already fits); under noise, when the noise hides the weakest ones. What
+    the attack reads (and may certify) is then those ``batch_size`` directions, never the
+    ``num_examples`` the reply counts.
+    """
+    why = ("repeat a sample, are indistinguishable from one at the update's precision, or add "
+           "nothing the update keeps") + (", or are hidden by its noise" if noisy else "")
+    return (f"the update separates {batch_size} of the {num_examples} samples the reply reports "
+            f"(its numerical rank): the others {why}")
+
+
+def not_relu_reason(layer: str, after: str | None) -> str:
+    """Why a layer whose output does not go straight into a ReLU is ``not-covered``."""
+    name = layer.removesuffix(".weight")
+    if after is not None and after.startswith("BatchNorm"):
+        return batchnorm_reason(layer, after, train=None)
+    return (f"the layer {name}'s output goes into {after or 'something the model does not name'}"
+            ", not a ReLU: the sparsity this attack reads (and its certificate) needs a ReLU "
+            "right after the layer")
+
+
+def batchnorm_reason(layer: str, norm: str, train: bool | None) -> str:
+    """Why a layer followed by a BatchNorm is ``not-covered``.
+
+    ``train``: the client's running statistics moved (the norm normalised with each batch's
+    own statistics), ``False``: they did not (frozen statistics), ``None``: unknown.
+    """
+    name = layer.removesuffix(".weight")
+    if train is False:
+        return (f"the layer {name}'s output goes into a BatchNorm ({norm}) with frozen "
+                "statistics: the ReLU after it cuts the normalised output at zero, not the "
+                "layer's own output, so the zeros this attack reads are not the layer's: "
+                "outside what this attack covers")
+    into = (f"goes into a BatchNorm ({norm}) in train mode: its" if train else
+            f"goes into a BatchNorm ({norm}): in train mode its")
+    return (f"the layer {name}'s output {into} batch statistics couple the batch's samples "
+            "and cancel the layer's bias gradient, so neither the ReLU's zeros nor the bias "
+            "gradient (with which the attack fixes each sample's scale) belong to single "
+            "samples: outside what this attack covers")
+
+
+def still_bias_reason(layer: str) -> str:
+    """Why a layer whose bias did not move while its weights did is ``not-covered``."""
+    name = layer.removesuffix(".weight")
+    return (f"the layer {name}'s bias did not move while its weights did (on every unit by "
+            "less than 1e-4 of the unit's weight change: rounding): a BatchNorm over the batch "
+            "after the layer "
+            "cancels the bias gradient (or the bias is frozen), and the attack needs it to "
+            "fix each sample's scale: outside what this attack covers")
 
 
 def _unproven(result: dict[str, Any]) -> str:

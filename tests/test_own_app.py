@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -64,16 +65,18 @@ def test_one_step_clients_are_certified_with_pictures_of_an_inferred_shape(tmp_p
         assert (tmp_path / "one-step" / ln["dir"] / "reconstruction.png").is_file()
 
 
-def test_ordinary_fedavg_clients_are_protected_not_errors(tmp_path: Path) -> None:
-    """Under LeakGuard(policy="refuse") too: an update no exact attack can read (it mixes 96
-    samples in a 128-unit layer) is sent unchanged, and the server finds it protected."""
+def test_ordinary_fedavg_clients_are_read_at_the_replys_size_not_errors(tmp_path: Path) -> None:
+    """Under LeakGuard(policy="refuse") too: 96 samples over 6 local steps in a 128-unit layer
+    (rank at most 96: not beyond what the layer separates) are attacked at the 96 the reply
+    reports; no record is an error or claims more samples than that, and the update is sent."""
     summary, lines = _run_example(tmp_path, "fedavg", {"samples": 96, "batch-size": 32,
                                                         "local-epochs": 2, "leak-guard": "refuse"})
-    assert [ln["status"] for ln in lines] == ["protected", "protected"]
-    assert all(ln["guard"]["status"] == "protected" and not ln["guard"]["refused"]
-               for ln in lines)
-    assert all("mixes at least min(m, n)" in ln["reason"] and ln["error"] is None for ln in lines)
-    assert summary["verdict_level"] == "safe" and summary["attack_failures"] == 0
+    assert len(lines) == 2 and summary["attack_failures"] == 0
+    for ln in lines:
+        assert ln["status"] in ("protected", "partial", "not-certified") and ln["error"] is None
+        said = [int(n) for n in re.findall(r"(\d+) samples", ln["reason"] or "")]
+        assert all(n <= 96 for n in said), ln["reason"]
+        assert ln["guard"]["status"] != "certified" and not ln["guard"]["refused"]
 
 
 def test_refusing_clients_leave_the_server_nothing_to_read(tmp_path: Path) -> None:
@@ -168,6 +171,7 @@ def test_quickstart_cnn_features_and_pictures_are_told_apart(tmp_path: Path) -> 
     assert "every sample of" not in summary["verdict"]  # only inputs make samples readable
     pictured = [ln for ln in lines if ln["pixels"] and not ln["pixels"]["error"]]
     assert all(ln["psnr_mean"] is not None and ln["ssim_mean"] is not None for ln in pictured)
+    assert all(("pixels.npz" in ln["files"]) == (ln in pictured) for ln in lines)
     assert summary["pictures_scored"] == len(pictured)
     assert (summary["verdict_level"] == "leak") == bool(summary["pictures_readable"])
     page = (tmp_path / "cnn" / "report.html").read_text()
@@ -182,4 +186,5 @@ def test_quickstart_cnn_256_photos_in_8_steps_is_protected_for_its_true_reason(
     for ln in lines:
         # 256 samples over 8 steps through fc1's units: more than the layer can separate
         assert ln["num_examples"] == 256 and "mixes at least min(m, n)" in ln["reason"]
+        assert "the reply reports 256 samples" in ln["reason"]
     assert summary["verdict_level"] == "safe"
