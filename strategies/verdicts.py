@@ -182,10 +182,15 @@ def _unproven(result: dict[str, Any]) -> str:
         sigma = float(result.get("noise_std") or 0.0)
         return (f"noise detected on the update (σ ≈ {sigma:.2e}): a noisy update is never "
                 "certified; see PSNR")
-    if mixed:
-        count = sum(len(group) for group in mixed)
+    if result.get("merged"):
+        return (f"the update separates {result['batch_size']} of the "
+                f"{result['batch_size'] + result['merged']} samples given: each of the others "
+                "is within the noise or the rounding of one it holds, which stands for both")
+    pairs = [list(group) for group in mixed if len(group) > 1]
+    if pairs:
+        count = sum(len(group) for group in pairs)
         return (f"λ = 1, but {count} samples are read only up to a mixture of each other "
-                f"(groups {mixed}): their ReLU patterns nest or differ on a single unit, so "
+                f"(groups {pairs}): their ReLU patterns nest or differ on a single unit, so "
                 "this layer's update does not single them out; the other samples are read as "
                 "usual")
     if result.get("rounding_limited"):
