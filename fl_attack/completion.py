@@ -156,28 +156,65 @@ def complete_missing(
         (B, c) unit candidate columns (none when k is not 1-3).
     """
     L, zero_rtol = system.L, system.zero_rtol
-    m, B = L.shape
-    k = B - found.shape[1]
-    empty = torch.empty(B, 0, dtype=L.dtype, device=L.device)
-    if k < 1 or k > 3:
-        return empty
-    affine = missing_slice(system, found)
+    B = L.shape[1]
+    mask = _slice_cells(system, found, max_vertices)
+    if mask is None:
+        return torch.empty(B, 0, dtype=L.dtype, device=L.device)
+    mask = mask[:, mask.sum(dim=0) >= B - 1]
+    return pattern_kernels(L, mask, zero_rtol, deadline=deadline, row_noise=row_noise)
+
+
+def _slice_cells(system: LayerSystem, found: torch.Tensor,
+                 max_vertices: int) -> torch.Tensor | None:
+    """The distinct inactive patterns (m, c) of the cells of the missing samples' slice
+    (:func:`missing_slice`) for k = B - F in 1-3, or None (another k, no slice, too many
+    vertices)."""
+    k = system.L.shape[1] - found.shape[1]
+    affine = missing_slice(system, found) if 1 <= k <= 3 else None
     if affine is None:
-        return empty
+        return None
     offset, Aw, _ = affine
     if k == 1:
         mask = (offset <= 0)[:, None]
     elif k == 2:
         mask = _cells_1d(Aw[:, 0], offset)
     else:
-        cells = _cells_2d(Aw, offset, max_vertices)
-        if cells is None:
-            return empty
-        mask = cells
-    mask = mask[:, mask.sum(dim=0) >= B - 1]
-    if mask.shape[1] > 1:
-        mask = torch.unique(mask, dim=1)
-    return pattern_kernels(L, mask, zero_rtol, deadline=deadline, row_noise=row_noise)
+        mask = _cells_2d(Aw, offset, max_vertices)
+        if mask is None:
+            return None
+    return torch.unique(mask, dim=1) if mask.shape[1] > 1 else mask
+
+
+def missing_face(system: LayerSystem, found: torch.Tensor, *,
+                 max_vertices: int = 40000) -> torch.Tensor | None:
+    """(B, k) orthonormal basis of the span of the k = B - F columns missing from ``found``
+    (B, F), 2 ≤ k ≤ 3, when their samples' ReLU patterns nest; None otherwise.
+
+    Every mixture of such samples' columns vanishes on the inactive units they share, so no
+    cell of :func:`missing_slice` has a one-dimensional kernel for the first of them and
+    :func:`complete_missing` finds nothing; but the cell of the shared units has a kernel of
+    exactly k dimensions, which holds no found column: the span of the missing ones. Completed
+    with it (a basis of it as pool candidates), the found samples are read exactly, and the
+    certificate names the group read only up to a mixture (``certify.Pinning``).
+    """
+    L = system.L
+    m, B = L.shape
+    k = B - found.shape[1]
+    mask = _slice_cells(system, found, max_vertices) if k >= 2 else None
+    if mask is None:
+        return None
+    mask = mask[:, mask.sum(dim=0) >= B - k]
+    counts = mask.sum(dim=0)
+    for j in torch.argsort(counts, descending=True).tolist():
+        rows = L[mask[:, j]]
+        vals, vecs = torch.linalg.eigh(rows.T @ rows)
+        tol = float(counts[j]) * system.zero_rtol**2 / m
+        if int((vals <= tol).sum()) != k or not bool(vals[k] > tol):
+            continue
+        face = vecs[:, :k]
+        if int(torch.linalg.matrix_rank(torch.cat([found, face], dim=1))) == B:
+            return face
+    return None
 
 
 def slice_row_sets(h: torch.Tensor, B: int,

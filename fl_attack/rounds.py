@@ -208,7 +208,8 @@ def complete(ctx: SearchContext, state: SearchState, pool: CandidatePool,
     pool the candidates; False when nothing is left to try for this found set.
 
     The exact completion runs once per found set of 1-3 missing columns (it gives up on 3 when
-    the cells are too many); the sampled one up to ``Tuning.slice_patience`` times per found
+    the cells are too many), with the span of 2-3 missing columns whose samples' patterns nest
+    (``completion.missing_face``); the sampled one up to ``Tuning.slice_patience`` times per found
     set and round when 2 or more are missing. For FedAvg sums, where the exact one does not
     apply (a sum keeps only part of a sample's W₀ pattern as zeros), the sampled one also runs
     once for a single missing column; under noise both run once for 1-3 missing columns (a
@@ -240,6 +241,9 @@ def complete(ctx: SearchContext, state: SearchState, pool: CandidatePool,
         Qc = missing_candidates(ctx, found, sampled=not exact_ok)
         if exact_ok and ctx.row_noise is not None and cfg.slice_samples:
             Qc = torch.cat([Qc, missing_candidates(ctx, found, sampled=True)], dim=1)
+        face = None if not exact_ok or ctx.noisy else completion.missing_face(ctx.system, found)
+        if face is not None:  # samples whose patterns nest: their span, as candidates
+            pool.add(face, zero_mask(ctx.L @ face, ctx.zero_rtol).sum(dim=0))
     elif (missing >= 2 and cfg.slice_samples
           and state.completed.get(sampled, 0) < ctx.tuning.slice_patience):
         state.completed[sampled] = state.completed.get(sampled, 0) + 1
