@@ -97,9 +97,44 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         state.match = sparsity_match(Q, ctx.system)
     else:
         Q = found.Q
-    complete = found.n_found == ctx.B and not ctx.noisy
+    got = _settle(layer, found, Q, clock)
+    lam = state.match
+    return build_reconstruction(
+        got.X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
+        sparsity_match=lam.value if lam is not None else None,
+        per_column=lam.per_column if lam is not None else None,
+        units=layer.weight_grad.shape[0],
+        chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
+        precise=exact_possible(ctx.dec),
+        noise_std=ctx.dec.noise_std, scales=got.s, rounds=found.rounds,
+        n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
+        peeled=found.peeled, stopped=found.stopped, supported=got.proven, mixed=got.mixed,
+        untangled=got.untangled,
+    )
+
+
+@dataclass
+class _Settled:
+    """The final basis as the certificate judges it, and its inputs."""
+
+    X: torch.Tensor
+    """(B, n) the inputs."""
+    s: torch.Tensor
+    """(B,) the scales."""
+    proven: bool
+    """Every column pinned, or its sample read through the next layer."""
+    mixed: tuple[tuple[int, ...], ...]
+    """The groups still read only up to a mixture."""
+    untangled: int
+
+
+def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) -> _Settled:
+    """Steps 13 and 10b: settle and judge a full clean basis (``certify.prove``; a FedAvg
+    basis is only judged, and never proven), reconstruct, and read the groups the certificate
+    names through the next layer (``untangle``). Sets the state's match to the final basis'."""
+    ctx, state = found.ctx, found.state
     pins = None
-    if complete:
+    if found.n_found == ctx.B and not ctx.noisy:
         t0 = time.perf_counter()
         if ctx.system.subset:
             pins = certify.pinning(ctx, Q, state.match)
@@ -110,10 +145,10 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     t0 = time.perf_counter()
     X, s = reconstruct(Q, ctx.system)
     clock.tick("reconstruct", t0)
-    lam = state.match
-    mixed = pins.groups if pins is not None else ()
-    proven = pins is not None and pins.all and not ctx.system.subset
-    untangled = 0
+    if pins is None:
+        return _Settled(X, s, False, (), 0)
+    proven = pins.all and not ctx.system.subset
+    mixed, untangled = pins.groups, 0
     if mixed and found.rows2 is not None and not ctx.system.subset:
         t0 = time.perf_counter()
         read = untangle(ctx, Q, X, mixed, found.rows2, layer.precision, clock.finish_deadline)
@@ -123,21 +158,9 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
             X[list(read.columns)] = read.inputs.to(X)
             mixed = tuple(g for g in mixed if g not in read.groups)
             untangled = len(read.columns)
-            assert pins is not None
             loose = torch.nonzero(~pins.pinned).squeeze(1).tolist()
             proven = set(loose) <= set(read.columns)
-    return build_reconstruction(
-        X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
-        sparsity_match=lam.value if lam is not None else None,
-        per_column=lam.per_column if lam is not None else None,
-        units=layer.weight_grad.shape[0],
-        chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
-        precise=exact_possible(ctx.dec),
-        noise_std=ctx.dec.noise_std, scales=s, rounds=found.rounds,
-        n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
-        peeled=found.peeled, stopped=found.stopped, supported=proven, mixed=mixed,
-        untangled=untangled,
-    )
+    return _Settled(X, s, proven, mixed, untangled)
 
 
 @dataclass
