@@ -207,8 +207,11 @@ def decompose(
             )
         B = batch_size
     read = rank if batch_size is not None and 0 < rank < batch_size else 0
-    if read and edge <= TUNING.noisy_ratio * float(S[read - 1]):
-        B = read  # a clean spectrum ends at `read`: the directions beyond it are rounding
+    # a clean spectrum ends at `read`, or one that ends at the precision floor (a trained
+    # model's weakest samples at the update's rounding): the directions beyond it are rounding
+    if read and (edge <= TUNING.noisy_ratio * float(S[read - 1])
+                 or float(S[read]) < floor_rtol * float(S[0])):
+        B = read
     L = U[:, :B].contiguous()
     R = (S[:B, None] * Vh[:B]).contiguous()
     dec = Decomposition(L=L, R=R, singular_values=S, batch_size=B, noise_std=nu,

@@ -76,7 +76,7 @@ def search(ctx: SearchContext, state: SearchState,
             state.stopped = "peeled"
             return now.Q, now.count
         stale_rounds = stale.update(state, pool, now)
-        reason = _stop_reason(ctx, state, now, stale_rounds)
+        reason = _stop_reason(ctx, state, now, stale)
         if reason is not None:
             state.stopped = reason
             if reason == "converged":
@@ -99,7 +99,7 @@ def done_reason(ctx: SearchContext, state: SearchState) -> str:
 
 
 def _stop_reason(ctx: SearchContext, state: SearchState, now: Assessment,
-                 stale_rounds: int) -> str | None:
+                 stale: Staleness) -> str | None:
     """Why the loop stops after this round (``state.STOP_REASONS``), or None to go on."""
     spear = ctx.cfg.method == "spear"
     if now.done:
@@ -109,13 +109,16 @@ def _stop_reason(ctx: SearchContext, state: SearchState, now: Assessment,
     if spear and state.samples >= ctx.cfg.max_samples:
         return "samples"
     tuning = ctx.tuning
-    if (not spear and state.rounds >= tuning.starved_rounds
-            and now.count < tuning.starved_share * ctx.B and relaxed(ctx) is not None):
+    # a partial selection that the rounds do not grow, while a lower zero threshold may
+    if (not spear and now.count < ctx.B and relaxed(ctx) is not None
+            and ((state.rounds >= tuning.starved_rounds
+                  and now.count < tuning.starved_share * ctx.B)
+                 or stale.stuck >= tuning.stale_rounds)):
         return "starved"
     # clean: a full basis that stopped changing; noisy: no progress at all (a column that
     # noise hides stays hidden, so rounds that find nothing new do not pay)
     full = now.count == ctx.B or ctx.noisy
-    if not spear and full and stale_rounds >= tuning.stale_rounds:
+    if not spear and full and stale.rounds >= tuning.stale_rounds:
         return "converged"
     return None
 
@@ -139,10 +142,15 @@ class Staleness:
         self.last: tuple | None = None
         self.best: tuple[int, int, float] | None = None
         self.rounds = 0
+        self.most = -1
+        self.stuck = 0
+        """Rounds in a row that did not select more columns than before."""
 
     def update(self, state: SearchState, pool: CandidatePool, now: Assessment) -> int:
         """Record this round's selection; the rounds in a row without progress."""
         ctx = self.ctx
+        self.stuck = 0 if now.count > self.most else self.stuck + 1
+        self.most = max(self.most, now.count)
         if not ctx.noisy:
             size = None if ctx.system.subset else len(pool)
             key = (size, now.count, state.match.value if state.match else None)

@@ -158,9 +158,10 @@ rounds without a change; under noise any selection, without a better λ or a new
 column, ``loop.search``); ``budget``, ``AttackConfig.max_seconds`` ran out; ``rounds``, the round
 cap (``AttackConfig.max_rounds``); ``samples``, SPEAR's sample cap (``AttackConfig.max_samples``);
 ``single``, B = 1 (nothing to search); ``peeled``, the loop handed verified samples to the peeling
-(``fl_attack.peel``) and no level was left to search; ``starved``, a clean search selected fewer
-than ``Tuning.starved_share`` of B columns in ``Tuning.starved_rounds`` rounds and could lower its
-zero threshold (``relaxed``: the second pass does; reported only when that pass has no time)."""
+(``fl_attack.peel``) and no level was left to search; ``starved``, a clean search that could lower
+its zero threshold (``relaxed``) selected fewer than ``Tuning.starved_share`` of B columns in
+``Tuning.starved_rounds`` rounds, or no more for ``Tuning.stale_rounds`` rounds (the second pass
+takes over; reported only when it has no time)."""
 
 
 @dataclass

@@ -78,8 +78,9 @@ class Tuning:
     (``experiments/results/training.md``)."""
     starved_rounds: int = 1
     """A clean search that after this many rounds has selected fewer than
-    :attr:`starved_share` of its B columns, and could lower its zero threshold, ends its first
-    pass (``"starved"``) so that the second pass, with the lower threshold, gets the budget."""
+    :attr:`starved_share` of its B columns, or has not selected more for
+    :attr:`stale_rounds` rounds, and could lower its zero threshold, ends its first pass
+    (``"starved"``) so that the second pass, with the lower threshold, gets the budget."""
     starved_share: float = 0.25
     relaxed_zero_margin: float = 1.25
     """The relaxed threshold is at least this many times B (and one more): below it the

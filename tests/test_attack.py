@@ -123,8 +123,8 @@ def test_float64_faces_are_split_at_the_float64_zero_test(real_batch, output_sid
     pattern. The face of the two samples sharing most zero rows (the kernel of L on the rows
     where their mixture is smallest, from a Gram matrix as face splitting computes it) is
     two-dimensional at the float64 zero test (1e-7), and splitting it gives both samples'
-    columns exactly. A 1e-9 test would miss the face: kernels from Gram matrices are only
-    accurate to about √eps. The true basis is certified and exact; the attack keeps its
+    columns exactly (kernels from Gram matrices are only accurate to about √eps, so the test
+    must be that loose). The true basis is certified and exact; the attack keeps its
     promises."""
     t = real_batch("photos32", 20, 200, seed=1, dtype=torch.float64)
     side = output_side(t.G, t.g, t.W, t.b)
@@ -144,7 +144,6 @@ def test_float64_faces_are_split_at_the_float64_zero_test(real_batch, output_sid
     Qf, _ = faces.split_face(L, N, zero_rtol=rtol, generator=torch.Generator().manual_seed(0))
     cos = (Qt.T @ Qf).abs()
     assert {int(c.argmax()) for c in cos.T if float(c.max()) > 1 - 1e-9} == {i, j}
-    assert faces.face_basis(L, q, n_rows, 1e-9).shape[1] == 1
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0)
     promises(rec, t.x, "photos32")
 
