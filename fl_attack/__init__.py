@@ -7,8 +7,8 @@ The one-call entry point is :func:`invert`; each step of the attack lives in its
 papers' section numbers.
 
 Where the attacked layer is not the model's first (a CNN's ``fc1``), the recovered inputs are
-features; :mod:`fl_attack.split` cuts a model at the attacked layer and :mod:`fl_attack.pixels`
-estimates the pictures behind the features (SPEAR §6.4).
+features; :mod:`fl_attack.model.split` cuts a model at the attacked layer and
+:mod:`fl_attack.pixels` estimates the pictures behind the features (SPEAR §6.4).
 
 The simulation and evaluation toolkit (data, models, local training, scores) lives in
 :mod:`fl_attack.testbed`; its old names (``fl_attack.data``, ``fl_attack.models``, ...) still

@@ -107,7 +107,7 @@ class LayerUpdate:
     """One linear layer's update, validated: what every side of the attack inverts.
 
     Tensors are float64 on ``device``; ``precision`` is the coarsest precision they were given
-    in (it sets the numerical tolerances, ``fl_attack.tolerances``).
+    in (it sets the numerical tolerances, ``fl_attack.steps.tolerances``).
     """
 
     weight_grad: torch.Tensor
@@ -119,7 +119,7 @@ class LayerUpdate:
     bias: torch.Tensor | None
     """(m,) its bias."""
     next_weight_grad: torch.Tensor | None
-    """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.peel``)."""
+    """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.steps.peel``)."""
     precision: torch.dtype
     device: torch.device
 

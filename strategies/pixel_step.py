@@ -92,7 +92,7 @@ def model_input_shape(model: Any, weight_key: str, in_features: int,
     inputs per sample (tried on common sizes; ``None`` when none fits)."""
     import torch
 
-    from fl_attack.split import feature_extractor
+    from fl_attack.model.split import feature_extractor
 
     if channels is None:
         conv = next((m for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
@@ -143,8 +143,8 @@ def _invert(task: PixelTask, features: np.ndarray, weight_grad: np.ndarray | Non
             weight: np.ndarray, t0: float) -> PixelOutcome:
     import torch
 
+    from fl_attack.model.split import feature_extractor
     from fl_attack.pixels import feature_gradients, invert_features
-    from fl_attack.split import feature_extractor
 
     model = load_model(task.model, task.sent)
     extractor = feature_extractor(model, task.weight_key)
@@ -291,7 +291,7 @@ class ModelPlan:
         return self._layers[weight_key]
 
     def _read(self, weight_key: str, sent: Mapping[str, np.ndarray]) -> LayerPlan:
-        from fl_attack.split import layer_context
+        from fl_attack.model.split import layer_context
 
         try:
             model = load_model(self.spec, sent)

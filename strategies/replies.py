@@ -74,7 +74,7 @@ def choose_layer(state: dict[str, np.ndarray], weight_key: str | None = None,
     Raises ``ValueError`` naming the keys when the named layer is missing or is not a linear
     layer with a bias, or when the model has no such layer at all.
     """
-    from fl_attack.updates import layer_keys
+    from fl_attack.model.updates import layer_keys
 
     pairs = layer_keys(state)
     if weight_key is None:
@@ -102,7 +102,7 @@ def build_job(server_round: int, node_id: int, label: str, sent: dict[str, np.nd
               returned: dict[str, np.ndarray], layer: LayerChoice,
               settings: AttackSettings) -> AttackJob:
     """The attack job of one reply (``ValueError`` when there is nothing to attack)."""
-    from fl_attack.updates import weight_update_pair
+    from fl_attack.model.updates import weight_update_pair
 
     dw, db, w0, b0 = weight_update_pair(sent, returned, weight_key=layer.weight_key,
                                         bias_key=layer.bias_key)
@@ -118,7 +118,7 @@ def build_job(server_round: int, node_id: int, label: str, sent: dict[str, np.nd
 def _next_layer_update(sent: dict[str, np.ndarray], returned: dict[str, np.ndarray],
                        layer: LayerChoice) -> np.ndarray | None:
     """``W0 - W_E`` of the layer the attacked one feeds, if it takes its outputs."""
-    from fl_attack.updates import weight_update_pair
+    from fl_attack.model.updates import weight_update_pair
 
     try:
         dw2, *_ = weight_update_pair(sent, returned, weight_key=layer.next_weight_key)

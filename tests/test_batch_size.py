@@ -17,9 +17,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 import fl_attack
-from fl_attack import peel
-from fl_attack.decompose import decompose
 from fl_attack.errors import NotIdentifiable
+from fl_attack.steps import peel
+from fl_attack.steps.decompose import decompose
 from fl_attack.testbed import cnn
 from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp

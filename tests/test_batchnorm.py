@@ -17,9 +17,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from fl_attack.split import feature_extractor
+from fl_attack.model.split import feature_extractor
+from fl_attack.model.updates import layer_keys
 from fl_attack.testbed.data import load_images, normalize
-from fl_attack.updates import layer_keys
 from fl_attack_flwr import AttackSettings, AuditingStrategy, LeakGuard, verdicts
 from fl_attack_flwr.coverage import scan_layers
 from fl_attack_flwr.pixel_step import ModelPlan, load_model, pixel_task, set_batch_statistics

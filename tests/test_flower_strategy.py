@@ -326,7 +326,7 @@ def test_a_full_background_queue_skips_replies_and_says_why(world: dict,
 
 
 def test_a_noisy_verdict_names_the_batch_size_readings() -> None:
-    """Under noise the attack may try two batch sizes (``fl_attack.readings``): the recorded
+    """Under noise the attack may try two batch sizes (``fl_attack.steps.batch_size``): the recorded
     reason says which ones and which was kept, so an auditor can tell why B differs from the
     client's batch; with one reading the reason is unchanged."""
     summary = {"batch_size": 20, "n_directions": 20, "exact": False,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from fl_attack.model.updates import layer_keys, weight_update_pair
 from fl_attack.testbed.data import normalize, sample_batch
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import PROTOCOLS, local_update, noise_multiplier_for_std
-from fl_attack.updates import layer_keys, weight_update_pair
 
 B = 8
 LR = 0.05

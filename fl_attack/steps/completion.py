@@ -15,10 +15,10 @@ import math
 
 import torch
 
-from fl_attack import kernels
-from fl_attack.clock import passed
-from fl_attack.columns import dedupe
-from fl_attack.kernels import (
+from fl_attack.core import kernels
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import dedupe
+from fl_attack.core.kernels import (
     exact_pattern_kernels,
     known_free,
     may_have_kernel,
@@ -26,7 +26,7 @@ from fl_attack.kernels import (
     screen_chunk,
     take_rows,
 )
-from fl_attack.scale import LayerSystem
+from fl_attack.steps.scale import LayerSystem
 
 
 def _cells_1d(slope: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def dual_slice(
     """The rows p of Q⁻¹ left for the samples missing from ``found`` (B, F): p ⊥ every found
     column and pᵀ t = 1. Returns (N (B, k), v0 (k,), U (k, k-1)) with p = N (v0 + U w),
     w ∈ R^(k-1), v0 the point closest to 0; None when t is orthogonal to the complement.
-    Shared by :func:`missing_slice` and :func:`fl_attack.feasibility.pattern_margins`.
+    Shared by :func:`missing_slice` and :func:`fl_attack.steps.feasibility.pattern_margins`.
     """
     N = _complement(found)  # (B, k) complement of the found columns
     c = N.T @ t  # p = N v with cᵀ v = 1
@@ -222,7 +222,7 @@ def nested_row_set_kernels(L: torch.Tensor, idx: torch.Tensor, lengths: torch.Te
     where most samples are inactive, so their Gram matrices are singular or nearly so and the
     screen would pass almost all of them (``experiments/results/tuning.md``).
     Sets on which a ``known`` column (B, F) vanishes skip the exact test
-    (:func:`fl_attack.kernels.known_free`): their kernel can only give that column back.
+    (:func:`fl_attack.core.kernels.known_free`): their kernel can only give that column back.
     Past ``deadline`` no further chunk of points starts. Points go in chunks of at most
     ``chunk_elems`` gathered elements (default ``kernels.screen_chunk``).
     """

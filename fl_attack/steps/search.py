@@ -12,8 +12,8 @@ from types import ModuleType
 
 import torch
 
-from fl_attack.clock import passed
-from fl_attack.tuning import TUNING
+from fl_attack.core.clock import passed
+from fl_attack.core.tuning import TUNING
 
 
 def _geoopt() -> ModuleType:
@@ -88,7 +88,7 @@ def optimise_on_sphere(
     """Minimise φ(L q) over the sphere from each row of ``init`` (K, B); returns (B, K) columns.
 
     ``objective`` replaces φ: it maps the rows of ``V = init @ Lᵀ`` (..., K, m) to one loss each
-    (the input side adds a sign penalty, ``fl_attack.input_layer``).
+    (the input side adds a sign penalty, ``fl_attack.solver.input_side``).
 
     ``L`` (m, B) fixes device and dtype. A stack of problems (F, m, B) with ``init`` (F, K, B)
     is solved in one batch and returns (F, B, K); zero padding rows of L do not change φ.

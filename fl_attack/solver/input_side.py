@@ -1,12 +1,13 @@
 """Inverting a layer through its sparse *inputs* (SPEAR §3.2, "input sparsity"):
-``sparse="input"`` (``"auto"``, which tries both sides, is :mod:`fl_attack.sides`).
+``sparse="input"`` (``"auto"``, which tries both sides, is :mod:`fl_attack.solver.both_sides`).
 
 A linear layer preceded by a ReLU sees non-negative, sparse inputs ``x_i`` (about half of the
 entries exactly zero). Its weight gradient ``G = Σ_i g_i x_iᵀ`` (m, n), ``g_i = ∂L/∂z_i``, has
 the transpose ``Gᵀ = Σ_i x_i g_iᵀ`` (n, m) with the same structure as the usual problem with the
-roles swapped: factor ``Gᵀ = L' R'`` (rank B, :func:`~fl_attack.decompose.decompose` on ``Gᵀ``),
-then ``X = L' Q`` has sparse columns and ``[g_1 … g_B]ᵀ = Q⁻¹ R'``. The SPEAR++ search of
-:mod:`fl_attack.loop` (which looks for sparse columns of ``L Q``) therefore runs unchanged on the
+roles swapped: factor ``Gᵀ = L' R'`` (rank B, :func:`~fl_attack.steps.decompose.decompose` on
+``Gᵀ``), then ``X = L' Q`` has sparse columns and ``[g_1 … g_B]ᵀ = Q⁻¹ R'``. The SPEAR++ search
+of :mod:`fl_attack.solver.loop` (which looks for sparse columns of ``L Q``) therefore runs
+unchanged on the
 transposed decomposition.
 
 Scales. Directions are found up to scale: for unscaled columns ``Q̄`` the true pairs are
@@ -22,15 +23,15 @@ Certificate (input mode). With the layer's ``W`` and ``b``, ``z_i = W x_i + b`` 
 recovered inputs, and if the layer is followed by a ReLU then ``g_i = ∂L/∂y_i ⊙ 1[z_i > 0]``:
 ``g_i`` is zero exactly where ``z_i ≤ 0`` (when ``∂L/∂y`` is dense). :func:`pattern_match`
 counts, over the m B entries, those where "``z ≤ 0``" agrees with "``g`` numerically zero" (the
-same zero test, rounding band and ambiguity rule as the output-mode λ of ``fl_attack.match``),
+same zero test, rounding band and ambiguity rule as the output-mode λ of ``fl_attack.steps.match``),
 so λ = 1 for the true batch. ``exact`` is claimed only when λ = 1 **and** all B directions were
 found **and** every ``x_i`` is non-negative up to the zero tolerance with a positive scale.
 For a layer *not* followed by a ReLU (an output layer) the certificate does not apply: λ stays
 below 1 and nothing is marked exact, although the reconstruction itself may be right.
 
-Selection. The search loop of :mod:`fl_attack.loop` runs on the transposed decomposition with
+Selection. The search loop of :mod:`fl_attack.solver.loop` runs on the transposed decomposition with
 ``SearchContext.input_side`` set (sign-aware loss, uniform restarts) and a
-:class:`~fl_attack.scale.LayerSystem` whose ``weight``/``WR``/``bias`` are None: its pool and
+:class:`~fl_attack.steps.scale.LayerSystem` whose ``weight``/``WR``/``bias`` are None: its pool and
 stage-1 selection (sparsest independent candidates) are what input mode needs, while the
 output side's stage 2, exact completion and repair are written in output-mode formulas (they
 predict the pattern of ``L Q`` from ``Z = W (Q⁻¹R)ᵀ + b``), which do not hold for the transposed
@@ -48,20 +49,20 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import loop
-from fl_attack.clock import Clock, passed
-from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import decompose
+from fl_attack.core.clock import Clock, passed
+from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.errors import NotIdentifiable
-from fl_attack.match import ambiguous, forgive_chance_zeros
-from fl_attack.pool import CandidatePool
 from fl_attack.result import Reconstruction, build_reconstruction
-from fl_attack.scale import LayerSystem
-from fl_attack.search import signed_sparsity_loss
-from fl_attack.select import Trial, swap_greedily
-from fl_attack.state import SearchContext, SearchState, search_context
-from fl_attack.tolerances import exact_possible, rank_floor, tolerances
+from fl_attack.solver import loop
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState, search_context
+from fl_attack.steps.decompose import decompose
+from fl_attack.steps.match import ambiguous, forgive_chance_zeros
+from fl_attack.steps.scale import LayerSystem
+from fl_attack.steps.search import signed_sparsity_loss
+from fl_attack.steps.select import Trial, swap_greedily
+from fl_attack.steps.tolerances import exact_possible, rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
 __all__ = [
@@ -137,7 +138,7 @@ class InputMatch:
     """(B,) bool: ``x_i`` has no entry below ``-zero_rtol · max|x_i|`` and ``u_i > 0``."""
     chance_zeros: int = 0
     """Active units whose output gradient passed the zero test, counted as matches
-    (:func:`fl_attack.match.forgive_chance_zeros`)."""
+    (:func:`fl_attack.steps.match.forgive_chance_zeros`)."""
 
 
 def pattern_match(
@@ -208,7 +209,7 @@ def greedy_swaps(
 
 
 class InputSwaps:
-    """The input side's swap score (:class:`~fl_attack.select.SwapScorer`): λ of
+    """The input side's swap score (:class:`~fl_attack.steps.select.SwapScorer`): λ of
     :func:`pattern_match`, each trial by the rank-one update of ``Q̄⁻¹`` (see
     :func:`greedy_swaps`)."""
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.clock import passed
-from fl_attack.decompose import Decomposition, decompose
+from fl_attack.core.clock import passed
 from fl_attack.errors import NotIdentifiable
+from fl_attack.steps.decompose import Decomposition, decompose
 
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 """Largest σ_min/σ_max of the next layer's rows on a column's zero rows that counts as a kernel.

@@ -4,7 +4,7 @@ With a full basis the sparsity match λ checks every column (SPEAR §4.2). With 
 that check is not available, yet the search needs to know which columns to build on: a mixture
 of two samples with almost the same ReLU pattern is nearly as sparse as either sample, and one
 such column in the found set makes the later rounds search the wrong complement and makes the
-completion of the missing columns (:mod:`fl_attack.completion`) solve the wrong slice.
+completion of the missing columns (:mod:`fl_attack.steps.completion`) solve the wrong slice.
 
 A true column j has a dual row p_j (the j-th row of Q̄⁻¹) with p_j · q_k = 0 for every other
 true column and p_j · t = s_j, and the sample's pre-activations Z_j = W R^T p_j / s_j + b are
@@ -24,10 +24,10 @@ import highspy
 import numpy as np
 import torch
 
-from fl_attack.clock import passed
-from fl_attack.columns import zero_mask
-from fl_attack.completion import dual_slice
-from fl_attack.scale import LayerSystem
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import zero_mask
+from fl_attack.steps.completion import dual_slice
+from fl_attack.steps.scale import LayerSystem
 
 FAIL_MARGIN = -1e-2
 """Columns whose best normalised sign margin is below this are infeasible. True columns sit at

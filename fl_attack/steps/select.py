@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import torch
 
-from fl_attack.clock import passed
-from fl_attack.columns import zero_mask
-from fl_attack.match import Match, ambiguous, matches, sparsity_match
-from fl_attack.scale import LayerSystem
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import zero_mask
+from fl_attack.steps.match import Match, ambiguous, matches, sparsity_match
+from fl_attack.steps.scale import LayerSystem
 
 Trial = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                  torch.Tensor]
@@ -189,7 +189,7 @@ def swap_greedily(
 
 
 class OutputSwaps:
-    """The output side's swap score: λ of :func:`~fl_attack.match.sparsity_match`, each trial
+    """The output side's swap score: λ of :func:`~fl_attack.steps.match.sparsity_match`, each trial
     in O(m B) by the rank-one update of Q̄⁻¹ (SPEAR §4.2)."""
 
     def __init__(self, system: LayerSystem, Q: torch.Tensor, spare: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 These are not user options (those are :class:`fl_attack.AttackConfig`): they are the choices the
 search makes between its steps, tuned on real photo batches. ``docs/algorithm.md`` says where
 each one acts; the measurements behind the values are in ``experiments/results/tuning.md``.
-The numerical tolerances (zero tests, rank floors) are in :mod:`fl_attack.tolerances`.
+The numerical tolerances (zero tests, rank floors) are in :mod:`fl_attack.steps.tolerances`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Tuning:
-    """Constants of the search loop (:mod:`fl_attack.loop`) and its steps."""
+    """Constants of the search loop (:mod:`fl_attack.solver.loop`) and its steps."""
 
     stale_rounds: int = 3
     """SPEAR++ rounds without a new candidate after which a full basis with λ < 1 is final

@@ -7,8 +7,8 @@ of many row sets are formed in chunks from gathered rows (:func:`gathered_rows`,
 (:func:`masked_gram_eigh`) or from shift-and-invert subspace iteration on Cholesky factors
 (:func:`smallest_ritz_pairs`, :func:`masked_kernels`); :func:`pattern_kernels` screens thousands of
 row sets in float32 and keeps the exactly one-dimensional kernels in float64. Used by polishing
-(:mod:`fl_attack.polish`), the completion of missing columns (:mod:`fl_attack.completion`) and
-face splitting (:mod:`fl_attack.faces`).
+(:mod:`fl_attack.steps.polish`), the completion of missing columns
+(:mod:`fl_attack.steps.completion`) and face splitting (:mod:`fl_attack.steps.faces`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fl_attack.clock import passed
+from fl_attack.core.clock import passed
 
 
 def default_chunk(device: torch.device) -> int:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import faces, peel
-from fl_attack.clock import passed
-from fl_attack.columns import zero_mask
-from fl_attack.state import SearchContext
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import zero_mask
+from fl_attack.solver.state import SearchContext
+from fl_attack.steps import faces, peel
 
 
 @dataclass(frozen=True)

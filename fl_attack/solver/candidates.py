@@ -2,7 +2,7 @@
 neighbour search and the completion of missing columns. Each adds what it finds to the pool.
 
 Every step is a function of the search's context (read only), its state and its pool
-(:mod:`fl_attack.state`, :mod:`fl_attack.pool`), and looks at the budget
+(:mod:`fl_attack.solver.state`, :mod:`fl_attack.solver.pool`), and looks at the budget
 (``ctx.clock``) between units of work.
 """
 
@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from fl_attack import completion, faces, polish, sampling, search
-from fl_attack.columns import dedupe, normalize_columns, zero_mask
-from fl_attack.pool import CandidatePool
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.core.columns import dedupe, normalize_columns, zero_mask
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import completion, faces, polish, sampling, search
 
 
 def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:

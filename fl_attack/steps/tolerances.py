@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import Decomposition
-from fl_attack.tuning import TUNING
+from fl_attack.core.tuning import TUNING
+from fl_attack.steps.decompose import Decomposition
 
 RANK_FLOOR = {torch.float32: 1e-6, torch.float64: 1e-13}
 """Relative size below which a singular value is rounding error, by the gradient's precision

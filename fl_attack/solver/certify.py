@@ -1,9 +1,9 @@
 """Selection and certificate steps: assess the pool after each step, keep only feasible
 columns to build on, and the final selection (stage 2 swaps, repair, noisy refit).
 
-The certificate is the sparsity-matching coefficient λ (SPEAR §4.2, :mod:`fl_attack.match`):
+The certificate is the sparsity-matching coefficient λ (SPEAR §4.2, :mod:`fl_attack.steps.match`):
 λ = 1 with all B columns found certifies the batch without ground truth. Partial bases are
-checked column by column with a linear program (:mod:`fl_attack.feasibility`).
+checked column by column with a linear program (:mod:`fl_attack.steps.feasibility`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import feasibility, match, polish, select, violations
-from fl_attack.columns import dedupe, pattern_keys, zero_mask
-from fl_attack.pool import CandidatePool, Selection
-from fl_attack.rounds import missing_candidates
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.core.columns import dedupe, pattern_keys, zero_mask
+from fl_attack.solver import violations
+from fl_attack.solver.candidates import missing_candidates
+from fl_attack.solver.pool import CandidatePool, Selection
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import feasibility, match, polish, select
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def assess(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> Asses
     Parameters
     ----------
     ctx, state, pool
-        The search (:mod:`fl_attack.state`); the state's selection fields are set here.
+        The search (:mod:`fl_attack.solver.state`); the state's selection fields are set here.
 
     Returns
     -------

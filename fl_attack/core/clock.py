@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from fl_attack.tuning import TUNING
+from fl_attack.core.tuning import TUNING
 
 
 def passed(deadline: float | None) -> bool:

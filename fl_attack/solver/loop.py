@@ -2,7 +2,7 @@
 certified columns, the round cap or the time budget; then the final selection.
 
 Both sides of the attack run this loop (the input side with ``SearchContext.input_side``),
-and the output side's peeling levels run it once per level (:mod:`fl_attack.levels`).
+and the output side's peeling levels run it once per level (:mod:`fl_attack.solver.output_side`).
 Progress goes to ``logging.getLogger("fl_attack")``: at INFO with ``AttackConfig.progress``,
 else at DEBUG.
 """
@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from fl_attack import certify, rounds
-from fl_attack.certify import Assessment
-from fl_attack.clock import passed
-from fl_attack.columns import pattern_keys, zero_mask
-from fl_attack.pool import CandidatePool
-from fl_attack.state import SearchContext, SearchState, relaxed
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import pattern_keys, zero_mask
+from fl_attack.solver import candidates, certify
+from fl_attack.solver.certify import Assessment
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState, relaxed
 
 log = logging.getLogger("fl_attack")
 
@@ -45,8 +45,8 @@ def search(ctx: SearchContext, state: SearchState,
     Returns
     -------
     (Q, count)
-        The basis (B, B) after the final selection (:func:`~fl_attack.certify.finish`), or the
-        current selection when samples were peeled, and how many columns came from the pool.
+        The basis (B, B) after the final selection (:func:`~fl_attack.solver.certify.finish`), or
+        the current selection when samples were peeled, and how many columns came from the pool.
     """
     cfg = ctx.cfg
     spear = cfg.method == "spear"
@@ -69,7 +69,7 @@ def search(ctx: SearchContext, state: SearchState,
     state.stopped = "rounds"
     while state.rounds < max_rounds:
         state.rounds += 1
-        (rounds.spear_round if spear else rounds.spearpp_round)(ctx, state, pool)
+        (candidates.spear_round if spear else candidates.spearpp_round)(ctx, state, pool)
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
         _log_round(ctx, state, pool, now)
         if state.peeled is not None:
@@ -85,7 +85,7 @@ def search(ctx: SearchContext, state: SearchState,
             break
         if (not spear and cfg.polish and state.rounds == 1 and len(pool)
                 and not ctx.clock.expired()):
-            rounds.neighbour_search(ctx, state, pool)
+            candidates.neighbour_search(ctx, state, pool)
     state.exhausted = ctx.clock.expired()
     return certify.finish(ctx, state, pool)
 
@@ -181,7 +181,7 @@ def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,
     """
     tuning, clock, B = ctx.tuning, ctx.clock, ctx.B
     while (not now.done and state.trusted is not None and not clock.expired()
-           and rounds.complete(ctx, state, pool, state.trusted)):
+           and candidates.complete(ctx, state, pool, state.trusted)):
         now = certify.assess(ctx, state, pool)
         late = passed(clock.at(tuning.peel_time_share))
         min_new = max(1, B // 10 if late else int(tuning.peel_share * B))

@@ -1,7 +1,7 @@
 """The ReLU law under noise: which columns of a noisy basis break it beyond doubt (beyond the
 papers).
 
-SPEAR's λ (SPEAR §4.2, :mod:`fl_attack.match`) counts the entries where "Z ≤ 0" and
+SPEAR's λ (SPEAR §4.2, :mod:`fl_attack.steps.match`) counts the entries where "Z ≤ 0" and
 "∂L/∂Z = 0" disagree. Under DP-SGD noise both sides are noisy: entries near either boundary
 disagree for the true basis too, so λ stays below 1 and a basis with a wrong column (a
 mixture of similar samples) scores within a few entries of the true one. Here only *confident*
@@ -23,10 +23,11 @@ import time
 
 import torch
 
-from fl_attack import batched_lu, filtering, polish
-from fl_attack.columns import dedupe
-from fl_attack.rounds import missing_candidates
-from fl_attack.state import SearchContext
+from fl_attack.core import batched_lu
+from fl_attack.core.columns import dedupe
+from fl_attack.solver.candidates import missing_candidates
+from fl_attack.solver.state import SearchContext
+from fl_attack.steps import filtering, polish
 
 VIOLATION_SD = 5.0
 """A pre-activation this many of its noise stds below zero is clearly inactive, a gradient

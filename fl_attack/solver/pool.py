@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import filtering, select
-from fl_attack.columns import dedupe, normalize_columns, zero_mask
-from fl_attack.state import SearchContext
+from fl_attack.core.columns import dedupe, normalize_columns, zero_mask
+from fl_attack.solver.state import SearchContext
+from fl_attack.steps import filtering, select
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,16 @@ the exact direction is then in the kernel of L restricted to those rows. Least s
 rows (not just B-1) makes it stable, and a second pass over all predicted zeros reaches float
 precision. When several samples share those zeros the kernel has dimension k > 1: q is then
 projected onto it (keeping what the optimiser found) and the dimension is reported, so the
-caller can split that small subspace (see :mod:`fl_attack.faces`).
+caller can split that small subspace (see :mod:`fl_attack.steps.faces`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fl_attack.clock import passed
-from fl_attack.columns import zero_mask
-from fl_attack.filtering import noise_scales, noisy_sparsity
-from fl_attack.kernels import (
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import zero_mask
+from fl_attack.core.kernels import (
     default_chunk,
     gathered_rows,
     masked_gram_eigh,
@@ -24,6 +23,7 @@ from fl_attack.kernels import (
     plus_diagonal,
     project_to_kernel,
 )
+from fl_attack.steps.filtering import noise_scales, noisy_sparsity
 
 EIGH_UP_TO = 32
 """Polishing uses full eigen-decompositions up to this B and :func:`masked_kernels` above it.
@@ -75,7 +75,7 @@ def polish(
 
     The face dimension is the dimension of the kernel on the rows where the optimised q was
     smallest. Above 1, those rows are shared by several samples and q sits in their face (a
-    mixture unless it is split, see :mod:`fl_attack.faces`).
+    mixture unless it is split, see :mod:`fl_attack.steps.faces`).
 
     Parameters
     ----------

@@ -1,7 +1,8 @@
 """SPEAR's sampling step (SPEAR §3.3), batched: kernels of random (k-1)-row submatrices.
 
 Used twice: as the SPEAR baseline on the whole k = B problem, and inside SPEAR++ to split a
-small "face" (a k-dimensional subspace spanned by similar samples, see :mod:`fl_attack.faces`).
+small "face" (a k-dimensional subspace spanned by similar samples, see
+:mod:`fl_attack.steps.faces`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Under DP-SGD noise the weakest samples' singular values sink towards the edge of the noise's
 singular values: counted above a safe margin (``rank_margin`` x the edge) B comes out too small,
 counted above the edge itself the extra directions are partly noise. Both readings are
-attacked (``levels.invert_output``); this module keeps the one whose reconstruction explains
+attacked (``output_side.invert_output``); this module keeps the one whose reconstruction explains
 the update better, as a statistician would choose between two models: the residual of the
 update once each reconstructed sample's ∂L/∂Z is fitted on the units it activates, against
 the noise's own size, with a penalty for the parameters fitted (Akaike's criterion).
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fl_attack.clock import Clock
+from fl_attack.core.clock import Clock
 from fl_attack.result import Reconstruction
 from fl_attack.validation import LayerUpdate
 

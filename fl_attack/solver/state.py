@@ -1,10 +1,10 @@
 """The state of one search: what every step reads (:class:`SearchContext`, frozen) and what the
 steps change as it runs (:class:`SearchState`).
 
-The candidate pool has its own class (:class:`fl_attack.pool.CandidatePool`). The steps are
-functions of (context, state, pool): :mod:`fl_attack.rounds` (search rounds and completions),
-:mod:`fl_attack.certify` (selection, certificate, repair) and :mod:`fl_attack.loop` (the round
-loop and its stop rule).
+The candidate pool has its own class (:class:`fl_attack.solver.pool.CandidatePool`). The
+solver's steps are functions of (context, state, pool): :mod:`fl_attack.solver.candidates`
+(search rounds and completions), :mod:`fl_attack.solver.certify` (selection, certificate,
+repair) and :mod:`fl_attack.solver.loop` (the round loop and its stop rule).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fl_attack import filtering, search
-from fl_attack.clock import Clock
 from fl_attack.config import FEDAVG_TAU, AttackConfig
-from fl_attack.decompose import Decomposition
-from fl_attack.match import Match
-from fl_attack.peel import Peeled
-from fl_attack.scale import LayerSystem
-from fl_attack.tolerances import noisy_update, row_noise
-from fl_attack.tuning import TUNING, Tuning
+from fl_attack.core.clock import Clock
+from fl_attack.core.tuning import TUNING, Tuning
+from fl_attack.steps import filtering, search
+from fl_attack.steps.decompose import Decomposition
+from fl_attack.steps.match import Match
+from fl_attack.steps.peel import Peeled
+from fl_attack.steps.scale import LayerSystem
+from fl_attack.steps.tolerances import noisy_update, row_noise
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SearchContext:
     lambda_stop: float
     """λ at which the search stops (1, or ``Tuning.noisy_lambda_stop`` under noise)."""
     input_side: bool = False
-    """Inverting through the layer's sparse inputs (``fl_attack.input_layer``): the SPEAR++
+    """Inverting through the layer's sparse inputs (``fl_attack.solver.input_side``): the SPEAR++
     rounds minimise the sign-aware loss and always restart uniformly."""
     tuning: Tuning = TUNING
 
@@ -158,9 +158,10 @@ rounds without a change; under noise any selection, without a better λ or a new
 column, ``loop.search``); ``budget``, ``AttackConfig.max_seconds`` ran out; ``rounds``, the round
 cap (``AttackConfig.max_rounds``); ``samples``, SPEAR's sample cap (``AttackConfig.max_samples``);
 ``single``, B = 1 (nothing to search); ``peeled``, the loop handed verified samples to the peeling
-(``fl_attack.peel``) and no level was left to search; ``starved``, a clean search selected fewer
-than ``Tuning.starved_share`` of B columns in ``Tuning.starved_rounds`` rounds and could lower its
-zero threshold (``relaxed``: the second pass does; reported only when that pass has no time)."""
+(``fl_attack.steps.peel``) and no level was left to search; ``starved``, a clean search
+selected fewer than ``Tuning.starved_share`` of B columns in ``Tuning.starved_rounds`` rounds and
+could lower its zero threshold (``relaxed``: the second pass does; reported only when that pass
+has no time)."""
 
 
 @dataclass
@@ -188,7 +189,7 @@ class SearchState:
     peel_tried: set[bytes] = field(default_factory=set)
     """Zero patterns of the columns whose samples peeling already tried."""
     peeler: Callable[[torch.Tensor, float | None], Peeled] | None = None
-    """Recovers and verifies the samples of found columns (``fl_attack.peel``), if given."""
+    """Recovers and verifies the samples of found columns (``fl_attack.steps.peel``), if given."""
     peeled: Peeled | None = None
     """Set when the search stopped to let verified samples be peeled off."""
     exhausted: bool = False

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import torch
 
-from fl_attack import batched_lu, kernels
-from fl_attack.clock import passed
-from fl_attack.columns import dedupe, pattern_keys, zero_mask
-from fl_attack.kernels import default_chunk, gathered_rows, plus_diagonal
-from fl_attack.sampling import random_row_subsets, submatrix_kernels
-from fl_attack.search import optimise_on_sphere
+from fl_attack.core import batched_lu, kernels
+from fl_attack.core.clock import passed
+from fl_attack.core.columns import dedupe, pattern_keys, zero_mask
+from fl_attack.core.kernels import default_chunk, gathered_rows, plus_diagonal
+from fl_attack.steps.sampling import random_row_subsets, submatrix_kernels
+from fl_attack.steps.search import optimise_on_sphere
 
 
 def split_face(
@@ -181,7 +181,7 @@ def vertex_face_bases(
 
     A vertex of a face owes k-1 of its zeros to cancellations; those rows have leverage 1, and
     dropping them leaves the rows the face's samples share, whose kernel is the face. The
-    zero rows are gathered and zero-padded (:func:`~fl_attack.kernels.gathered_rows`, in
+    zero rows are gathered and zero-padded (:func:`~fl_attack.core.kernels.gathered_rows`, in
     column order), the leverages come from one batched solve and the kernels from one batched
     ``eigh``.
 
@@ -326,7 +326,7 @@ def conditional_directions(
     on L restricted to Z_f, with q_f (invisible there) projected out; the F found columns are
     solved as zero-padded batches of at most ``chunk_elems`` elements, in the given order (the
     pool's: sparsest first), until ``deadline`` (as in
-    :func:`~fl_attack.search.optimise_on_sphere`, the caller's time budget), so memory stays
+    :func:`~fl_attack.steps.search.optimise_on_sphere`, the caller's time budget), so memory stays
     bounded however large the pool. The result vanishes on Z_f ∩ Z_j: a point of the face
     {q_f, q_j}, which :func:`split_face` resolves.
     """

@@ -1,7 +1,8 @@
 """``sparse="auto"``: invert through both sides of a layer between two ReLUs, keep the better.
 
 A layer preceded and followed by a ReLU is sparse on both sides (SPEAR §3.2): its output
-gradients ∂L/∂Z (:mod:`fl_attack.levels`) and its inputs X (:mod:`fl_attack.input_layer`).
+gradients ∂L/∂Z (:mod:`fl_attack.solver.output_side`) and its inputs X
+(:mod:`fl_attack.solver.input_side`).
 :func:`invert_auto` attacks the output side first; if that is not certified it attacks the input
 side with the rest of the budget, and :func:`better_side` decides which reconstruction to return
 by :func:`side_score`, computed the same way for both from the public G, W, b. The gradient's
@@ -15,12 +16,12 @@ import time
 
 import torch
 
-from fl_attack import input_layer, levels
-from fl_attack.clock import Clock
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import decompose
+from fl_attack.core.clock import Clock
 from fl_attack.result import Reconstruction
-from fl_attack.tolerances import rank_floor, tolerances
+from fl_attack.solver import input_side, output_side
+from fl_attack.steps.decompose import decompose
+from fl_attack.steps.tolerances import rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
 __all__ = ["better_side", "invert_auto", "side_score"]
@@ -42,7 +43,7 @@ def side_score(
 
     * λ of ``X`` and its implied output gradients ``D̂ᵀ = G X⁺`` (from ``G = D̂ᵀ X``, both sides'
       results fit G): the fraction of the m B entries where "``W x_i + b ≤ 0``" agrees with
-      "``D̂`` numerically zero" (:func:`fl_attack.input_layer.pattern_match`; the ReLU *after*
+      "``D̂`` numerically zero" (:func:`fl_attack.solver.input_side.pattern_match`; the ReLU *after*
       the layer); and
     * the fraction of samples ``x_i`` with no entry below ``-zero_rtol · max|x_i|`` (the ReLU
       *before* the layer: its outputs have no negative entry).
@@ -60,7 +61,7 @@ def side_score(
         return rows
     D = (G @ torch.linalg.pinv(X)).T  # (B, m)
     one = torch.ones(X.shape[0], dtype=X.dtype, device=X.device)
-    lam = input_layer.pattern_match(X, D, one, W, b, zero_rtol=zero_rtol, z_band=z_band).value
+    lam = input_side.pattern_match(X, D, one, W, b, zero_rtol=zero_rtol, z_band=z_band).value
     return (lam + rows) / 2
 
 
@@ -106,7 +107,7 @@ def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     Parameters
     ----------
     layer, cfg, seed, clock
-        As for :func:`fl_attack.input_layer.invert_inputs`; ``max_seconds`` bounds the two
+        As for :func:`fl_attack.solver.input_side.invert_inputs`; ``max_seconds`` bounds the two
         attempts together (the input side gets what the output side left, but always at least
         one search round).
 
@@ -122,7 +123,7 @@ def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
                     floor_rtol=rank_floor(layer.precision))
     out_clock = Clock(cfg.max_seconds, start=t0)
     out_clock.tick("decompose", t0)
-    out = levels.invert_output(dataclasses.replace(layer, next_weight_grad=None),
+    out = output_side.invert_output(dataclasses.replace(layer, next_weight_grad=None),
                                dataclasses.replace(cfg, sparse="output"), seed, out_clock, dec=dec)
     if out.exact:
         out.seconds = clock.elapsed()
@@ -130,7 +131,7 @@ def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     budget = cfg.max_seconds
     if budget is not None:
         budget = max(budget - clock.elapsed(), 1e-3)
-    inp = input_layer.invert_inputs(layer, dataclasses.replace(cfg, max_seconds=budget), seed,
+    inp = input_side.invert_inputs(layer, dataclasses.replace(cfg, max_seconds=budget), seed,
                                     Clock(budget))
     zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
     best, other = better_side(out, inp, G, W, b, zero_rtol=zero_rtol, z_band=z_band)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.columns import zero_mask
-from fl_attack.scale import LayerSystem
+from fl_attack.core.columns import zero_mask
+from fl_attack.steps.scale import LayerSystem
 
 
 def matches(Z: torch.Tensor, Dzero: torch.Tensor, band: float = 0.0,
@@ -83,7 +83,7 @@ def forgive_chance_zeros(ok: torch.Tensor, Z: torch.Tensor, ambiguous: torch.Ten
     where one of them is inactive), so any law violation keeps every mismatch counted.
     ``ok``: the entries matching so far; ``ambiguous``: the entries in the band
     (:func:`ambiguous`). Shared by the output side (:func:`sparsity_match`) and the input side
-    (``fl_attack.input_layer.pattern_match``). Returns (ok, forgiven).
+    (``fl_attack.solver.input_side.pattern_match``). Returns (ok, forgiven).
     """
     bad = ~ok
     n_bad = int(bad.sum())

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fl_attack.core.tuning import TUNING
 from fl_attack.errors import NotIdentifiable
-from fl_attack.tuning import TUNING
 
 
 @dataclass
@@ -72,7 +72,7 @@ EDGE_MARGIN = 1.1
 rather than noise: the largest noise singular value scatters around the edge by about 1% at
 the layers' shapes (Tracy-Widom), and the estimate ν̂ is within a few percent of ν. Between
 this and ``rank_margin`` edges a direction is plausible but noisy; the attack tries both
-readings (``levels.invert_output``)."""
+readings (``output_side.invert_output``)."""
 
 
 def estimate_rank(

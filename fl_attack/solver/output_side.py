@@ -1,9 +1,10 @@
 """The output side of the attack (∂L/∂Z sparse, any layer followed by a ReLU), level by level.
 
 One level decomposes the gradient (SPEAR §3.1, SPEAR++ §4.1), builds the search's context and
-runs the search loop (:mod:`fl_attack.loop`). With the next layer's gradient, verified samples
-are peeled off (:mod:`fl_attack.peel`, beyond the papers) and the smaller batch that is left
-is solved the same way, starting from the upper level's candidates: the levels below.
+runs the search loop (:mod:`fl_attack.solver.loop`). With the next layer's gradient, verified
+samples are peeled off (:mod:`fl_attack.steps.peel`, beyond the papers) and the smaller batch
+that is left is solved the same way, starting from the upper level's candidates: the levels
+below.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack import certify, loop, peel, readings
-from fl_attack.clock import Clock
-from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import Decomposition, decompose
-from fl_attack.match import sparsity_match
-from fl_attack.pool import CandidatePool
+from fl_attack.core.clock import Clock
+from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.result import Reconstruction, build_reconstruction
-from fl_attack.scale import make_system, reconstruct
-from fl_attack.state import SearchContext, SearchState, relaxed, search_context
-from fl_attack.tolerances import exact_possible, rank_floor, tolerances
-from fl_attack.untangle import untangle
+from fl_attack.solver import certify, loop
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState, relaxed, search_context
+from fl_attack.solver.untangle import untangle
+from fl_attack.steps import batch_size, peel
+from fl_attack.steps.decompose import Decomposition, decompose
+from fl_attack.steps.match import sparsity_match
+from fl_attack.steps.scale import make_system, reconstruct
+from fl_attack.steps.tolerances import exact_possible, rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
 
@@ -37,7 +39,8 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
     Under noise the spectrum may allow two batch sizes (``Decomposition.readings``: the
     singular values clear of the noise, and those merely above its edge, or fewer than an
     explicit ``batch_size``); each is attacked with its share of the budget and the reading
-    whose reconstruction explains the update best is kept (:func:`fl_attack.readings.choose`).
+    whose reconstruction explains the update best is kept
+    (:func:`fl_attack.steps.batch_size.choose`).
     A result with fewer samples than an explicit ``batch_size`` says how many the update did
     not separate (``Reconstruction.merged``).
 
@@ -79,7 +82,7 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
                 clock.max_seconds - clock.elapsed(), 0.0) / (len(values) - i)
             sub = Clock(left, timings=clock.timings)
             recs.append(_invert_at(layer, cfg, seed, sub, dec.at(B)))
-        rec = readings.choose(recs, layer, clock)
+        rec = batch_size.choose(recs, layer, clock)
     if cfg.batch_size is not None and rec.batch_size < cfg.batch_size:
         rec.merged = cfg.batch_size - rec.batch_size
         rec.exact = False  # the merged samples are read only as one another
