@@ -52,7 +52,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from fl_attack_flwr.clients.partition import client_batch, eval_split, partition
-from fl_attack_flwr.protocol import (
+from fl_attack_flwr.wire import (
     CLIENT_DEFAULTS,
     CLIENT_INFO_KEY,
     DELTA_KEY,

@@ -3,7 +3,7 @@
 After the client's training (``call_next``), the guard forms the update the server would attack
 from the arrays the client received and the arrays it is about to send: the same layer choice
 and the same readings (one gradient step, then a sum of local steps) as the auditing server
-(:mod:`fl_attack_flwr.replies`), and runs the same exact attack (SPEAR++) in the client's
+(:mod:`fl_attack_flwr.jobs.build`), and runs the same exact attack (SPEAR++) in the client's
 process under its own time budget. The attack's certificate (λ = 1 with all B directions and no
 noise) *proves* from the update alone that the batch is readable exactly; the guard acts on
 that proof only:
@@ -45,9 +45,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.protocol import GUARD_CODES, GUARD_KEYS, NUM_EXAMPLES_KEY
+from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.settings import AttackSettings
+from fl_attack_flwr.wire import GUARD_CODES, GUARD_KEYS, NUM_EXAMPLES_KEY
 
 __all__ = ["POLICIES", "GuardFinding", "LeakGuard"]
 
@@ -221,9 +221,9 @@ def _attack(sent: Mapping[str, np.ndarray], reply: Message,
             settings: AttackSettings) -> AttackOutcome:
     """The server's attack on ``sent -> reply``, run in this process, on the layer the server
     would attack (the first the attack covers: ``coverage.scan_layers``)."""
-    from fl_attack_flwr.coverage import passed_words, scan_layers
-    from fl_attack_flwr.replies import build_job
-    from fl_attack_flwr.running import run_job
+    from fl_attack_flwr.jobs.build import build_job
+    from fl_attack_flwr.jobs.layers import passed_words, scan_layers
+    from fl_attack_flwr.jobs.run import run_job
 
     if len(reply.content.array_records) != 1:
         raise ValueError(f"the reply holds {len(reply.content.array_records)} ArrayRecords, "

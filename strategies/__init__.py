@@ -25,9 +25,10 @@ from typing import Any
 __all__ = ["AttackSettings", "AuditStore", "AuditingStrategy", "ClientAudit", "GroundTruth",
            "InputView", "LeakGuard", "PrivacyGateError", "verdicts"]
 
-_WHERE = {"AttackSettings": "settings", "AuditStore": "store", "AuditingStrategy": "audit",
-          "ClientAudit": "records", "GroundTruth": "scoring", "InputView": "scoring",
-          "LeakGuard": "clients.leak_guard", "PrivacyGateError": "gate"}
+_WHERE = {"AttackSettings": "settings", "AuditStore": "output.store", "AuditingStrategy": "audit",
+          "ClientAudit": "results.records", "GroundTruth": "results.pictures",
+          "InputView": "results.pictures", "LeakGuard": "clients.leak_guard",
+          "PrivacyGateError": "output.privacy_gate"}
 
 
 def __getattr__(name: str) -> Any:

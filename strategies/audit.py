@@ -39,10 +39,14 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.background import InFlight, RoundTimes
 from fl_attack_flwr.evaluations import EvaluationLog
-from fl_attack_flwr.executors import Executor, make_executor
-from fl_attack_flwr.intake import Intake, Work, aggregate_intake, reply_intake, sample_replies
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.outcomes import (
+from fl_attack_flwr.executors.processes import Executor, make_executor
+from fl_attack_flwr.intake.reply import Intake, Work, aggregate_intake, reply_intake, sample_replies
+from fl_attack_flwr.jobs.build import strip_ground_truth
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.jobs.pixels import ModelPlan
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.output.summary import accountant_notes, strategy_notes
+from fl_attack_flwr.results.outcomes import (
     log_record,
     log_round,
     log_settings,
@@ -50,14 +54,10 @@ from fl_attack_flwr.outcomes import (
     pictures_of,
     round_metrics,
 )
-from fl_attack_flwr.pixel_step import ModelPlan
-from fl_attack_flwr.protocol import UPDATE_OF_PROTOCOL
-from fl_attack_flwr.records import ClientAudit, ReplyFacts, build_record
-from fl_attack_flwr.replies import strip_ground_truth
-from fl_attack_flwr.scoring import GroundTruth, InputView
+from fl_attack_flwr.results.pictures import GroundTruth, InputView
+from fl_attack_flwr.results.records import ClientAudit, ReplyFacts, build_record
 from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.store import AuditStore
-from fl_attack_flwr.summary import accountant_notes, strategy_notes
+from fl_attack_flwr.wire import UPDATE_OF_PROTOCOL
 
 __all__ = ["AuditingStrategy"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_attack_flwr.store import (
+from fl_attack_flwr.output.store import (
     AuditStore,
     ClientAudit,
     atomic_write_bytes,
@@ -192,7 +192,7 @@ def test_jsonable_and_image_grid() -> None:
 
 
 def _summary_of(records: list[ClientAudit]) -> dict:
-    from fl_attack_flwr.summary import summarize
+    from fl_attack_flwr.output.summary import summarize
 
     return summarize(records, {}, {}, run_name="r", run_dir="/x", wall_seconds=1.0)
 
@@ -307,7 +307,7 @@ def test_retention_keeps_the_last_rounds_reconstructions_only(tmp_path: Path) ->
 ])
 def test_the_privacy_gate_trips_on_what_it_names(fail_on: str, summary: dict,
                                                  trips: bool) -> None:
-    from fl_attack_flwr.gate import gate_failure
+    from fl_attack_flwr.output.privacy_gate import gate_failure
 
     why = gate_failure({**summary, "report": "r.html"}, fail_on)
     assert (why is not None) == trips

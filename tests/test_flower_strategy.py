@@ -229,7 +229,7 @@ def test_drain_timeout_marks_unfinished_attacks(world: dict, task_identity: None
 
 
 def test_sampling_is_seeded_and_skipped_replies_say_why(world: dict, task_identity: None) -> None:
-    from fl_attack_flwr.intake import sample_replies
+    from fl_attack_flwr.intake.reply import sample_replies
 
     def picked(seed: int) -> list[int]:
         settings = AttackSettings(**INLINE, fraction=0.5, sample_seed=seed, rounds="1,3")
@@ -255,7 +255,7 @@ def test_the_protocol_fixes_the_reading_and_auto_tries_both() -> None:
 
 
 def test_the_layer_is_chosen_by_name_or_first_linear_with_a_bias() -> None:
-    from fl_attack_flwr.replies import choose_layer
+    from fl_attack_flwr.jobs.build import choose_layer
 
     model = relu_mlp(784, WIDTH, 3, seed=0)
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
@@ -274,7 +274,7 @@ def test_the_layer_is_chosen_by_name_or_first_linear_with_a_bias() -> None:
 
 
 def test_next_layer_update_goes_with_gradient_readings_only() -> None:
-    from fl_attack_flwr.replies import build_job, choose_layer
+    from fl_attack_flwr.jobs.build import build_job, choose_layer
 
     model = relu_mlp(784, WIDTH, 3, seed=0)
     g_state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}

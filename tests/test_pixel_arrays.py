@@ -19,12 +19,12 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fl_attack.testbed import cnn
 from fl_attack.testbed.data import load_images
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth, verdicts
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.outcomes import pictures_of
-from fl_attack_flwr.pixel_step import PixelOutcome
-from fl_attack_flwr.records import ReplyFacts, build_record
-from fl_attack_flwr.scoring import InputView
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.pixels import PixelOutcome
+from fl_attack_flwr.output.store import records_from_jsonl
+from fl_attack_flwr.results.outcomes import pictures_of
+from fl_attack_flwr.results.pictures import InputView
+from fl_attack_flwr.results.records import ReplyFacts, build_record
 from tests.flower_fakes import FakeGrid, content, fedavg, reply
 
 pytestmark = pytest.mark.usefixtures("one_thread")

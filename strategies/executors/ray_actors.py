@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.executor_base import Executor, cores_share, prepare_worker
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.replies import AttackJob
-from fl_attack_flwr.running import run_job
+from fl_attack_flwr.executors.base import Executor, cores_share, prepare_worker
+from fl_attack_flwr.jobs.build import AttackJob
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.jobs.run import run_job
 from fl_attack_flwr.settings import usable_cores
 
 __all__ = ["RayExecutor"]

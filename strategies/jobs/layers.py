@@ -10,7 +10,7 @@ attack covers: the scan records it ``not-covered`` and goes on to the next linea
 input is that block's output (its inputs are then features, and recorded as such).
 
 What follows a layer is read from the user's model when the audit has it
-(:class:`~fl_attack_flwr.pixel_step.LayerPlan`: the traced consumer of the layer's output),
+(:class:`~fl_attack_flwr.jobs.pixels.LayerPlan`: the traced consumer of the layer's output),
 and from the arrays otherwise (:func:`batchnorm_after`): a norm's ``...running_mean`` of the
 layer's width among the keys right after the layer's, or a bias that did not move while the
 weights did. A layer the user names (``AttackSettings(weight_key=...)``) is the only one
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.replies import LayerChoice, choose_layer
+from fl_attack_flwr.jobs.build import LayerChoice, choose_layer
 from fl_attack_flwr.settings import AttackSettings
 
 __all__ = ["Passed", "batchnorm_after", "passed_words", "scan_layers"]

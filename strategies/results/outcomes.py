@@ -10,9 +10,9 @@ from concurrent.futures import Future
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.records import ClientAudit, Pictures, ReplyFacts
-from fl_attack_flwr.scoring import GroundTruth, InputView, score_images
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.results.pictures import GroundTruth, InputView, score_images
+from fl_attack_flwr.results.records import ClientAudit, Pictures, ReplyFacts
 from fl_attack_flwr.settings import AttackSettings
 
 __all__ = ["log_record", "log_round", "log_settings", "outcome_of", "pictures_of",

@@ -1,10 +1,10 @@
 """The executor interface, and the set-up of a process that runs attacks.
 
-Every executor (:mod:`fl_attack_flwr.executors`: inline, a pool of worker processes;
-:mod:`fl_attack_flwr.ray_executor`: Ray actors) takes
-:class:`~fl_attack_flwr.replies.AttackJob` s and returns ``concurrent.futures.Future`` s of
-:class:`~fl_attack_flwr.outcome.AttackOutcome` s; a future never fails: what happens to an attack
-(a hard timeout, a dead worker, a memory cap) is its outcome.
+Every executor (:mod:`fl_attack_flwr.executors.processes`: inline, a pool of worker processes;
+:mod:`fl_attack_flwr.executors.ray_actors`: Ray actors) takes
+:class:`~fl_attack_flwr.jobs.build.AttackJob` s and returns ``concurrent.futures.Future`` s
+of :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` s; a future never fails: what happens to
+an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.replies import AttackJob
+from fl_attack_flwr.jobs.build import AttackJob
+from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.settings import usable_cores
 
 __all__ = ["Executor", "cores_share", "lower_priority", "prepare_worker"]

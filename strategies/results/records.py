@@ -4,7 +4,7 @@ Three facts make a record, each from the step that knows it:
 
 * :class:`ReplyFacts`: what the server read off the reply before any attack (who, which layer,
   how many examples, the DP accounting the client reported, the audit-mode sample ids);
-* :class:`~fl_attack_flwr.outcome.AttackOutcome`: what the attack (or the intake, for replies
+* :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome`: what the attack (or the intake, for replies
   it does not attack) concluded;
 * :class:`Pictures`: the reconstruction shown as images and, with ground truth, scored.
 
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.private_files import jsonable
+from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.output.private_files import jsonable
 
 __all__ = ["ClientAudit", "Pictures", "ReplyFacts", "build_record", "client_label"]
 

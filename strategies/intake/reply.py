@@ -1,9 +1,9 @@
 """From a training reply to what the audit knows of it and what it attacks, without raising.
 
-Each reply becomes :class:`~fl_attack_flwr.records.ReplyFacts` (who sent it, which layer, how
-many examples, the DP accounting it reported) and its *work*: an
-:class:`~fl_attack_flwr.replies.AttackJob` when there is something to attack, otherwise the
-:class:`~fl_attack_flwr.outcome.AttackOutcome` that says why not (a client error, a corrupt
+Each reply becomes :class:`~fl_attack_flwr.results.records.ReplyFacts` (who sent it, which
+layer, how many examples, the DP accounting it reported) and its *work*: an
+:class:`~fl_attack_flwr.jobs.build.AttackJob` when there is something to attack, otherwise the
+:class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` that says why not (a client error, a corrupt
 reply, a skipped one, no update). Under secure aggregation the round's aggregate is the one
 thing attacked (:func:`aggregate_intake`).
 """
@@ -21,19 +21,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.coverage import Passed, passed_words, scan_layers
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.pixel_step import LayerPlan, ModelPlan
-from fl_attack_flwr.protocol import (
-    DELTA_KEY,
-    EPSILON_CUMULATIVE_KEY,
-    EPSILON_KEY,
-    GUARD_CODES,
-    GUARD_KEYS,
-    NOISE_STD_KEY,
-)
-from fl_attack_flwr.records import ReplyFacts
-from fl_attack_flwr.replies import (
+from fl_attack_flwr.jobs.build import (
     AttackJob,
     LayerChoice,
     build_job,
@@ -43,7 +31,19 @@ from fl_attack_flwr.replies import (
     partition_id,
     sample_indices,
 )
+from fl_attack_flwr.jobs.layers import Passed, passed_words, scan_layers
+from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.pixels import LayerPlan, ModelPlan
+from fl_attack_flwr.results.records import ReplyFacts
 from fl_attack_flwr.settings import AttackSettings
+from fl_attack_flwr.wire import (
+    DELTA_KEY,
+    EPSILON_CUMULATIVE_KEY,
+    EPSILON_KEY,
+    GUARD_CODES,
+    GUARD_KEYS,
+    NOISE_STD_KEY,
+)
 
 __all__ = ["Intake", "Work", "aggregate_intake", "guard_of", "reply_intake", "sample_replies"]
 

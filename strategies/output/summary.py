@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from fl_attack_flwr import progress, verdicts
-from fl_attack_flwr.private_files import jsonable
-from fl_attack_flwr.records import ClientAudit
+from fl_attack_flwr import verdicts
+from fl_attack_flwr.output import progress
+from fl_attack_flwr.output.private_files import jsonable
+from fl_attack_flwr.results.records import ClientAudit
 
 __all__ = ["EXACT_DB", "READABLE_DB", "accountant_notes", "config_notes", "strategy_notes",
            "summarize", "verdict"]
@@ -37,7 +38,7 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
     ``psnr_mean`` is ``None`` without ground truth; ``epsilon`` is the largest cumulative ε any
     client reported (``None`` without DP). ``by_round`` puts each round's leakage beside the
     model's accuracy and ``leakage_trend`` says how leakage changed as the model trained
-    (:mod:`fl_attack_flwr.progress`; ``None`` with fewer than two audited rounds).
+    (:mod:`fl_attack_flwr.output.progress`; ``None`` with fewer than two audited rounds).
     """
     count = {s: sum(1 for r in records if r.status == s) for s in verdicts.STATUSES}
     rec = [r for r in records if r.reconstructed]

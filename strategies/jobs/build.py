@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fl_attack_flwr.protocol import CLIENT_INFO_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 from fl_attack_flwr.settings import AttackSettings
+from fl_attack_flwr.wire import CLIENT_INFO_KEY, PARTITION_ID_KEY, SAMPLE_INDICES_KEY
 
 __all__ = [
     "AttackJob",

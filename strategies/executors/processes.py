@@ -1,19 +1,20 @@
 """Where attacks run: the server process, spawned worker processes, or Ray actors.
 
-Every executor takes :class:`~fl_attack_flwr.replies.AttackJob` s and returns
-``concurrent.futures.Future`` s of :class:`~fl_attack_flwr.outcome.AttackOutcome` s; a future never
-fails: what happens to an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
+Every executor takes :class:`~fl_attack_flwr.jobs.build.AttackJob` s and returns
+``concurrent.futures.Future`` s of :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` s; a
+future never fails: what happens to an attack (a hard timeout, a dead worker, a memory cap) is
+its outcome.
 
 * :class:`InlineExecutor`: one thread of the server process; no hard timeout, no memory cap.
 * :class:`PoolExecutor`: ``n`` persistent ``spawn`` worker processes (``process`` is a pool of
   one). Each attack has its own hard timeout; a killed or crashed worker is replaced and only
   its attack is lost; a worker that ran out of memory is replaced after reporting it (a failed
   allocation can leave the process half-initialised). Spawn, not fork, keeps CUDA and Ray safe.
-* ``RayExecutor`` (:mod:`fl_attack_flwr.ray_executor`): long-lived Ray actors with CPU/GPU
+* ``RayExecutor`` (:mod:`fl_attack_flwr.executors.ray_actors`): long-lived Ray actors with CPU/GPU
   resources, on the Ray instance this process already has (the simulation engine's), on a given
   cluster address, or on a new local instance.
 
-The interface and the worker set-up they share are in :mod:`fl_attack_flwr.executor_base`.
+The interface and the worker set-up they share are in :mod:`fl_attack_flwr.executors.base`.
 
 The same job and seed give the same reconstruction under every executor.
 """
@@ -34,10 +35,10 @@ from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.executor_base import Executor, cores_share, lower_priority, prepare_worker
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.replies import AttackJob
-from fl_attack_flwr.running import run_job
+from fl_attack_flwr.executors.base import Executor, cores_share, lower_priority, prepare_worker
+from fl_attack_flwr.jobs.build import AttackJob
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.jobs.run import run_job
 from fl_attack_flwr.settings import AttackSettings, usable_cores
 
 __all__ = ["Executor", "InlineExecutor", "PoolExecutor", "cores_share", "lower_priority",
@@ -51,7 +52,7 @@ def make_executor(settings: AttackSettings) -> Executor:
     if settings.executor == "inline":
         return InlineExecutor()
     if settings.executor == "ray":
-        from fl_attack_flwr.ray_executor import RayExecutor
+        from fl_attack_flwr.executors.ray_actors import RayExecutor
 
         return RayExecutor(settings.ray_address, num_cpus=settings.ray_num_cpus,
                            num_gpus=settings.ray_num_gpus, resources=settings.ray_resources,

@@ -1,7 +1,7 @@
 """Running one attack job, wherever it runs (the server process, a worker process, a Ray actor).
 
 :func:`run_job` is the one function every executor calls. It never raises for what can happen
-to an attack: it returns an :class:`~fl_attack_flwr.outcome.AttackOutcome` that says what the
+to an attack: it returns an :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` that says what the
 server learned (:mod:`fl_attack_flwr.verdicts`): a reconstruction with its verdict,
 ``protected`` when the update does not reveal its batch, ``out-of-memory`` under the memory
 cap, ``attack-error`` with the exception otherwise.
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.replies import AttackJob
+from fl_attack_flwr.jobs.build import AttackJob
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 
 __all__ = ["error_outcome", "run_job"]
 
@@ -93,7 +93,7 @@ def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> Atta
     inputs = rec.inputs.detach().cpu().double().numpy()
     pixels = None
     if job.pixels is not None and rec.n_directions == rec.batch_size:
-        from fl_attack_flwr.pixel_step import run_pixels
+        from fl_attack_flwr.jobs.pixels import run_pixels
 
         # each sample's upstream gradient is known for one gradient step only
         pixels = run_pixels(job.pixels, inputs,

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.records import ClientAudit
+from fl_attack_flwr.results.records import ClientAudit
 
 __all__ = ["ACCURACY_KEYS", "accuracy_of", "by_round", "progress_png", "trend_sentence"]
 

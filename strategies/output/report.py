@@ -1,5 +1,5 @@
 """The audit's HTML report: one self-contained page (pictures inline as data URIs) that opens
-with the verdict (:mod:`fl_attack_flwr.summary`) and explains how to read itself."""
+with the verdict (:mod:`fl_attack_flwr.output.summary`) and explains how to read itself."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.pictures import image_grid, png_bytes
-from fl_attack_flwr.progress import progress_png
-from fl_attack_flwr.records import ClientAudit
-from fl_attack_flwr.summary import EXACT_DB, READABLE_DB
+from fl_attack_flwr.output.png import image_grid, png_bytes
+from fl_attack_flwr.output.progress import progress_png
+from fl_attack_flwr.output.summary import EXACT_DB, READABLE_DB
+from fl_attack_flwr.results.records import ClientAudit
 
 __all__ = ["STYLE", "figure_png", "fmt", "html_table", "inline_png", "render_report"]
 

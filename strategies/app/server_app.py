@@ -26,10 +26,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fl_attack_flwr.audit import AuditingStrategy
-from fl_attack_flwr.gate import PrivacyGateError, gate_failure
-from fl_attack_flwr.protocol import CLIENT_DEFAULTS
-from fl_attack_flwr.run_config import (
+from fl_attack_flwr.app.run_config import (
     CONFIG_ENV,
     DEFAULT_RUN_CONFIG,
     RunConfigError,
@@ -38,8 +35,11 @@ from fl_attack_flwr.run_config import (
     model_factory,
     resolve_run_config,
 )
-from fl_attack_flwr.scoring import GroundTruth
-from fl_attack_flwr.store import AuditStore
+from fl_attack_flwr.audit import AuditingStrategy
+from fl_attack_flwr.output.privacy_gate import PrivacyGateError, gate_failure
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.results.pictures import GroundTruth
+from fl_attack_flwr.wire import CLIENT_DEFAULTS
 
 __all__ = ["CONFIG_ENV", "DEFAULT_RUN_CONFIG", "app", "run_audit", "wait_for_nodes"]
 
@@ -81,8 +81,9 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     The summary and report are written even when the run fails half-way (then the exception is
     re-raised), so whatever was reconstructed is never lost. With ``fail-on`` set, a run whose
-    clients leaked what it names raises :class:`~fl_attack_flwr.gate.PrivacyGateError` after
-    the report is written (``flwr run`` then records the run as failed).
+    clients leaked what it names raises
+    :class:`~fl_attack_flwr.output.privacy_gate.PrivacyGateError` after the report is written
+    (``flwr run`` then records the run as failed).
     """
     n = int(cfg["num-clients"])
     wait_for_nodes(grid, n, float(cfg["node-wait"]))

@@ -1,9 +1,10 @@
 """The audit run's directory: one writer for every file of a run.
 
 Reconstructions are the clients' private data: every directory is ``0700``, every file ``0600``
-and written atomically (:mod:`fl_attack_flwr.private_files`); ``metrics.jsonl`` is appended one
-whole line per record. A run directory is created with ``exist_ok=False`` semantics, so a second
-run can never overwrite the first. The report is rendered by :mod:`fl_attack_flwr.report`.
+and written atomically (:mod:`fl_attack_flwr.output.private_files`); ``metrics.jsonl`` is
+appended one whole line per record. A run directory is created with ``exist_ok=False``
+semantics, so a second run can never overwrite the first. The report is rendered by
+:mod:`fl_attack_flwr.output.report`.
 
 Layout of ``<output-dir>/<run-name>/``::
 
@@ -23,7 +24,7 @@ Layout of ``<output-dir>/<run-name>/``::
     report.html                      verdict, images beside originals, tables, plots (inline)
 
 Nothing in this module imports Flower: the strategy hands it plain
-:class:`~fl_attack_flwr.records.ClientAudit` records.
+:class:`~fl_attack_flwr.results.records.ClientAudit` records.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from fl_attack_flwr.pictures import image_grid, png_bytes
-from fl_attack_flwr.private_files import (
+from fl_attack_flwr.output.png import image_grid, png_bytes
+from fl_attack_flwr.output.private_files import (
     DIR_MODE,
     FILE_MODE,
     append_line,
@@ -51,9 +52,9 @@ from fl_attack_flwr.private_files import (
     make_private_dir,
     records_from_jsonl,
 )
-from fl_attack_flwr.records import ClientAudit
-from fl_attack_flwr.report import render_report
-from fl_attack_flwr.summary import summarize
+from fl_attack_flwr.output.report import render_report
+from fl_attack_flwr.output.summary import summarize
+from fl_attack_flwr.results.records import ClientAudit
 
 __all__ = [
     "DIR_MODE",

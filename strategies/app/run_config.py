@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from fl_attack_flwr.clients.leak_guard import POLICIES
-from fl_attack_flwr.gate import FAIL_ON
-from fl_attack_flwr.protocol import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
+from fl_attack_flwr.output.privacy_gate import FAIL_ON
 from fl_attack_flwr.settings import EXECUTORS, MODES, TARGETS, AttackSettings, RoundFilter
+from fl_attack_flwr.wire import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
 
 __all__ = [
     "CONFIG_ENV",
@@ -356,7 +356,7 @@ def _check_output(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fl_attack_flwr.run_config "KEY=VALUE ..." ["KEY=VALUE ..."]``: check
+    """``python -m fl_attack_flwr.app.run_config "KEY=VALUE ..." ["KEY=VALUE ..."]``: check
     ``flwr run --run-config`` overrides (one argument per ``--run-config``, later ones win)
     before starting a federation; exit 2 naming each bad key."""
     import sys
