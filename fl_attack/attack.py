@@ -17,12 +17,9 @@ import torch
 
 from fl_attack.config import AttackConfig
 from fl_attack.core.clock import Clock
-from fl_attack.result import Reconstruction, certified
+from fl_attack.result import Reconstruction
 from fl_attack.solver import both_sides, input_side, output_side
-from fl_attack.steps.tolerances import noisy_update, tolerances
 from fl_attack.validation import load_layer
-
-__all__ = ["Reconstruction", "certified", "invert", "noisy_update", "tolerances"]
 
 
 def invert(
@@ -81,9 +78,11 @@ def invert(
     TypeError
         An unknown option, or an argument that is not a real tensor or array.
     ValueError
-        An invalid option value, wrong shapes, non-finite or all-zero gradients, a weight
-        without a bias, a batch not smaller than the layer (full numerical rank), an unknown
-        or unavailable device, or a ``next_weight_grad`` that cannot belong to this layer.
+        An invalid option value, wrong shapes, non-finite gradients, a weight without a bias,
+        an unknown or unavailable device, or a ``next_weight_grad`` that cannot belong to this
+        layer. Two subclasses say why the update itself cannot be inverted:
+        :class:`fl_attack.errors.NotIdentifiable` (a batch not smaller than the layer, or
+        noise that hides it) and :class:`fl_attack.errors.ZeroUpdate` (an all-zero gradient).
 
     See Also
     --------

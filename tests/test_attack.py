@@ -20,6 +20,7 @@ import torch
 import fl_attack
 from fl_attack.config import AttackConfig
 from fl_attack.core.columns import normalize_columns, zero_mask
+from fl_attack.errors import ZeroUpdate
 from fl_attack.solver import candidates
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import SearchContext, SearchState
@@ -441,12 +442,14 @@ def test_shapes(layer) -> None:
         fl_attack.invert(G.tolist(), g)
 
 
-def test_zero_gradients(layer) -> None:
+def test_zero_gradients_raise_a_zero_update_naming_the_part(layer) -> None:
     G, g, W, b = layer
-    with pytest.raises(ValueError, match="weight_grad is identically zero"):
+    with pytest.raises(ZeroUpdate, match="weight_grad is identically zero") as weight:
         fl_attack.invert(torch.zeros_like(G), g)
-    with pytest.raises(ValueError, match="bias_grad is identically zero"):
+    assert weight.value.part == "weight"
+    with pytest.raises(ZeroUpdate, match="bias_grad is identically zero") as bias:
         fl_attack.invert(G, torch.zeros_like(g))
+    assert bias.value.part == "bias" and isinstance(bias.value, ValueError)
 
 
 def test_full_rank_gradient_not_identifiable() -> None:

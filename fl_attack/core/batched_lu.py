@@ -17,8 +17,6 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["inv", "solve_ex"]
-
 #: Matrices of at least this many rows are factorised one torch thread at a time on the CPU
 #: (the hang was seen at 210 rows, never up to 150).
 ONE_THREAD_FROM = 128

@@ -17,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FeatureExtractor", "LayerContext", "feature_extractor", "layer_context"]
-
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 _NORM_FUNCTIONS = (F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm,
                    F.local_response_norm, torch.batch_norm, torch.layer_norm)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["layer_keys", "weight_update_pair"]
+from fl_attack.errors import ZeroUpdate
 
 ArrayLike = Tensor | np.ndarray
 
@@ -92,8 +92,10 @@ def weight_update_pair(
 
     Raises:
         ValueError: a key is missing from either state, the states' shapes disagree, the layer is
-            not ``(m, d)`` weight + ``(m,)`` bias, a value is non-finite, or the update is
-            identically zero (the client sent back the global model unchanged).
+            not ``(m, d)`` weight + ``(m,)`` bias, or a value is non-finite.
+        fl_attack.errors.ZeroUpdate: the weight update is identically zero (``part``
+            ``"update"``: the client sent back the global model unchanged; ``"weight"``: only the
+            bias changed).
     """
     weight_key, bias_key = _resolve_keys(global_state, weight_key, bias_key)
     for name, state in (("global_state", global_state), ("new_state", new_state)):
@@ -150,14 +152,14 @@ def _resolve_keys(global_state: Mapping[str, ArrayLike], weight_key: str | None,
 
 
 def _check_nonzero(dw: Tensor, db: Tensor, weight_key: str, bias_key: str) -> None:
-    """Errors for an update that carries nothing to invert."""
+    """:class:`~fl_attack.errors.ZeroUpdate` for an update that carries nothing to invert."""
     if not bool(dw.any()):
         if not bool(db.any()):
-            raise ValueError(
+            raise ZeroUpdate(
                 f"update of {weight_key!r}/{bias_key!r} is identically zero: the client sent back "
-                "the global model unchanged"
+                "the global model unchanged", part="update"
             )
-        raise ValueError(
+        raise ZeroUpdate(
             f"weight update of {weight_key!r} is identically zero (only the bias changed): "
-            "there is nothing to invert"
+            "there is nothing to invert", part="weight"
         )

@@ -24,8 +24,6 @@ from fl_attack.steps.decompose import decompose
 from fl_attack.steps.tolerances import rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
 
-__all__ = ["better_side", "invert_auto", "side_score"]
-
 
 def side_score(
     X: torch.Tensor,

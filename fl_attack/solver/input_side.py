@@ -60,23 +60,9 @@ from fl_attack.solver.state import SearchContext, SearchState, search_context
 from fl_attack.steps.decompose import decompose
 from fl_attack.steps.match import ambiguous, forgive_chance_zeros
 from fl_attack.steps.scale import LayerSystem
-from fl_attack.steps.search import signed_sparsity_loss
 from fl_attack.steps.select import Trial, swap_greedily
 from fl_attack.steps.tolerances import exact_possible, rank_floor, tolerances
 from fl_attack.validation import LayerUpdate
-
-__all__ = [
-    "InputMatch",
-    "InputSwaps",
-    "greedy_swaps",
-    "input_factors",
-    "input_match",
-    "inverse_scales",
-    "invert_inputs",
-    "orient_nonnegative",
-    "pattern_match",
-    "signed_sparsity_loss",
-]
 
 
 def orient_nonnegative(Lt: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:

@@ -237,5 +237,3 @@ class OutputSwaps:
             spr[:, u] = swapped
 
 
-__all__ = ["OutputSwaps", "SwapScorer", "best_swap", "complete_basis", "stage1",
-           "swap_greedily"]
