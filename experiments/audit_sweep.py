@@ -34,7 +34,7 @@ READABLE_DB = 25.0
 
 def sweep_row(noise: float, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """One row of the sweep: privacy spent, accuracy, and what the server read."""
-    from fl_attack_flwr.output.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     lines = records_from_jsonl(run_dir / "metrics.jsonl")
     samples = [p for ln in lines for p in (ln.get("psnr") or [])]
@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "runs"))
     args = parser.parse_args(argv)
     from fl_attack_flwr.app.run_config import RunConfigError
-    from fl_attack_flwr.output.store import atomic_write_bytes, jsonable, make_private_dir
+    from fl_attack_flwr.output.private_files import (
+        atomic_write_bytes,
+        jsonable,
+        make_private_dir,
+    )
 
     try:
         levels = [float(v) for v in args.noise.split(",") if v.strip()]

@@ -140,7 +140,8 @@ def run_row(grid: Grid, context: Context, defence: Defence, cfg: dict[str, Any])
     """Run one row's federation to the end and write its summary (never raises: a failed
     row is recorded as failed and the matrix goes on)."""
     from fl_attack_flwr.app.server_app import client_config_record, initial_arrays, wait_for_nodes
-    from fl_attack_flwr.output.store import AuditStore, atomic_write_bytes
+    from fl_attack_flwr.output.private_files import atomic_write_bytes
+    from fl_attack_flwr.output.store import AuditStore
 
     wait_for_nodes(grid, int(cfg["num-clients"]), float(cfg["node-wait"]))
     store = AuditStore(Path(str(cfg["output-dir"])), defence.key, config=cfg)

@@ -113,7 +113,7 @@ def _print_summary(summary: dict[str, Any], seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from fl_attack_flwr.output.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     console = Console()
     table = Table(title=f"Privacy audit {summary['run_name']} ({seconds:.0f} s)")

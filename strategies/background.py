@@ -15,8 +15,6 @@ from typing import Any
 
 from fl_attack_flwr.jobs.outcome import AttackOutcome
 
-__all__ = ["InFlight", "RoundTimes"]
-
 Item = tuple[Any, Future[AttackOutcome]]
 
 

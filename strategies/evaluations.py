@@ -25,8 +25,6 @@ from fl_attack_flwr.wrapper import WrappingStrategy
 if TYPE_CHECKING:
     from fl_attack_flwr.output.store import AuditStore
 
-__all__ = ["EvaluationLog"]
-
 
 class EvaluationLog(WrappingStrategy):
     """Delegate every step to ``strategy``; store each round's evaluation in ``store``.

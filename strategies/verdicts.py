@@ -38,19 +38,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = [
-    "ERRORS",
-    "MEANINGS",
-    "RECONSTRUCTED",
-    "STATUSES",
-    "batchnorm_reason",
-    "not_relu_reason",
-    "protected_reason",
-    "reconstruction_verdict",
-    "separated_reason",
-    "still_bias_reason",
-]
-
 CERTIFIED = "certified"
 NOT_CERTIFIED = "not-certified"
 PARTIAL = "partial"

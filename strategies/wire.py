@@ -1,39 +1,25 @@
-"""The contract between the plugin's server side and its simulated clients.
+"""What a training reply carries between a client and the auditing server: its keys, and how
+the server reads its numbers back.
 
-Both ``fl_attack_flwr`` (the ServerApp and :class:`~fl_attack_flwr.AuditingStrategy`) and
-``fl_attack_flwr.clients`` (the ClientApp) import these names, so a reply key or a default is
-defined once.
+Both sides use these names (the server's intake, the client's ``LeakGuard`` and the bundled
+ClientApp), so a key is defined once. What a client sends is what an unmodified Flower client
+sends: one ``ArrayRecord`` with all the model's weights and one ``MetricRecord`` with
+``num-examples``. The plugin's own clients add a ``client-info`` ConfigRecord with their
+``partition-id`` (node ids are random per run) and, only in audit mode (simulations, where the
+server may see the ground truth), the ``sample-indices`` they trained on. The auditing strategy
+strips ``sample-indices`` before the wrapped strategy sees the reply. A user's own clients send
+none of these keys, and the audit works without them.
 
-What a client sends is what an unmodified Flower client sends: one ``ArrayRecord`` with all the
-model's weights and one ``MetricRecord`` with ``num-examples``. The plugin's own clients add a
-``client-info`` ConfigRecord with their ``partition-id`` (node ids are random per run) and, only
-in audit mode (simulations, where the server may see the ground truth), the ``sample-indices``
-they trained on. The auditing strategy strips ``sample-indices`` before the wrapped strategy sees
-the reply. A user's own clients send none of these keys, and the audit works without them.
+Nothing here imports Flower: a reply is read through its own methods.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "CLIENT_DEFAULTS",
-    "CLIENT_INFO_KEY",
-    "DELTA_KEY",
-    "EPSILON_CUMULATIVE_KEY",
-    "EPSILON_KEY",
-    "FAULT_MODES",
-    "GUARD_CODES",
-    "GUARD_KEYS",
-    "NOISE_STD_KEY",
-    "NUM_EXAMPLES_KEY",
-    "PARTITION_ID_KEY",
-    "PARTITIONINGS",
-    "PROTOCOLS",
-    "SAMPLE_INDICES_KEY",
-    "UPDATE_OF_PROTOCOL",
-    "parse_faults",
-]
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 #: ConfigRecord of a reply with the client's partition id (and, in audit mode, sample indices).
 CLIENT_INFO_KEY = "client-info"
@@ -61,52 +47,20 @@ GUARD_CODES: dict[int, str] = {0: "not-checked", 1: "certified", 2: "not-certifi
                                3: "partial", 4: "protected", 5: "no-update", 6: "timeout",
                                7: "out-of-memory", 8: "attack-error", 9: "not-covered"}
 
-#: Local training protocols of the plugin's clients.
-PROTOCOLS = ("fedsgd", "fedavg", "dpsgd")
-#: What each protocol sends, as ``fl_attack.AttackConfig.update`` names it: one gradient step
-#: (FedSGD; DP-SGD is attacked as a gradient even over several steps, because under noise the
-#: FedAvg test stops telling candidates apart) or a sum over local steps (FedAvg).
-UPDATE_OF_PROTOCOL = {"fedsgd": "gradient", "fedavg": "fedavg", "dpsgd": "gradient"}
-PARTITIONINGS = ("iid", "dirichlet")
-#: Misbehaviours the plugin's clients can be told to show (``inject-faults``), to test that the
-#: audit and the round survive them.
-FAULT_MODES = ("raise", "nan", "shape", "missing", "zero")
 
-#: Client-side settings and their defaults (the ServerApp sends all of them with each message).
-CLIENT_DEFAULTS: dict[str, Any] = {
-    "protocol": "fedsgd",
-    "dataset": "photos32",
-    "dataset-size": 1000,
-    "data-seed": 0,
-    "partitioning": "iid",
-    "dirichlet-alpha": 0.5,
-    "batch-size": 16,
-    "mini-batch-size": 0,
-    "local-epochs": 1,
-    "lr": 0.01,
-    "width": 200,
-    "depth": 3,
-    "clip": 1.0,
-    "noise-multiplier": 0.0,
-    "delta": 1e-5,
-    "audit": True,
-    "eval-size": 64,
-    "eval-held-out": False,
-    "client-threads": 1,
-    "inject-faults": "",
-    "leak-guard": "",
-    "leak-guard-seconds": 30.0,
-    "leak-guard-epsilon": 1.0,
-}
+def metric(reply: Message, key: str) -> float | None:
+    """A numeric metric of the reply (its first MetricRecord that holds ``key``), or ``None``."""
+    if not reply.has_content():
+        return None
+    for record in reply.content.metric_records.values():
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
-def parse_faults(spec: str) -> dict[int, str]:
-    """``"1:raise 2:nan"`` -> ``{1: "raise", 2: "nan"}`` (``ValueError`` on bad syntax)."""
-    faults: dict[int, str] = {}
-    for item in str(spec or "").replace(",", " ").split():
-        pid, _, mode = item.partition(":")
-        if not pid.strip().isdigit() or mode not in FAULT_MODES:
-            raise ValueError(f"bad inject-faults item {item!r}; use '<partition>:<mode>' with "
-                             f"mode in {FAULT_MODES}")
-        faults[int(pid)] = mode
-    return faults
+def num_examples(reply: Message, key: str = NUM_EXAMPLES_KEY) -> int | None:
+    """The samples the reply says the client trained on: its weight ``key`` as a whole number,
+    ``None`` when the reply has no positive finite one."""
+    value = metric(reply, key)
+    return int(value) if value is not None and math.isfinite(value) and value > 0 else None

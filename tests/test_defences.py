@@ -39,7 +39,7 @@ from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
-from fl_attack_flwr.output.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
 from tests.flower_fakes import FakeGrid
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, verdicts
 from fl_attack_flwr.executors.processes import InlineExecutor, PoolExecutor
 from fl_attack_flwr.executors.ray_actors import RayExecutor
-from fl_attack_flwr.jobs.build import AttackJob, build_job, choose_layer
+from fl_attack_flwr.jobs.build import AttackJob, build_job
+from fl_attack_flwr.jobs.layers import choose_layer
 from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.jobs.run import run_job
 
@@ -78,7 +79,7 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(easy_job: AttackJob) -
     assert ref.status == verdicts.CERTIFIED, f"setup: the job must be certified ({ref.reason})"
     for out in outs:
         assert out.status == verdicts.CERTIFIED
-        assert out.summary["batch_size"] == ref.summary["batch_size"]
+        assert out.reconstruction["batch_size"] == ref.reconstruction["batch_size"]
         assert _same_rows(out.inputs, ref.inputs)
 
 
@@ -213,7 +214,7 @@ def _fake(outcomes: dict[str, dict]):
 
 
 def _res(status: str, lam: float | None = None) -> AttackOutcome:
-    return AttackOutcome(status, summary=None if lam is None else {"sparsity_match": lam})
+    return AttackOutcome(status, reconstruction=None if lam is None else {"sparsity_match": lam})
 
 
 @pytest.mark.parametrize(("outcomes", "want", "tried"), [
@@ -263,8 +264,8 @@ def test_the_batch_size_is_read_against_the_replys_num_examples(
                                invert_kwargs={**job.invert_kwargs, "max_seconds": 5.0})
     out = run_job(told)
     assert [c.get("batch_size") for c in calls] == [None, B]
-    assert out.status in verdicts.RECONSTRUCTED and out.summary["batch_size"] == B
-    assert "more than the 8 samples the reply reports" in out.summary["batch_size_from"]
+    assert out.status in verdicts.RECONSTRUCTED and out.reconstruction["batch_size"] == B
+    assert "more than the 8 samples the reply reports" in out.reconstruction["batch_size_from"]
     calls.clear()
     # a reply that counts as many samples as the layer has units: the full rank is the truth
     assert run_job(dataclasses.replace(told, num_examples=100)).status == verdicts.PROTECTED

@@ -12,14 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_attack_flwr.output.store import (
-    AuditStore,
-    ClientAudit,
-    atomic_write_bytes,
-    image_grid,
-    jsonable,
-    records_from_jsonl,
-)
+from fl_attack_flwr.output.png import image_grid
+from fl_attack_flwr.output.private_files import atomic_write_bytes, jsonable, records_from_jsonl
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.results.records import ClientAudit
 
 
 def _mode(path: Path) -> int:
@@ -204,7 +200,8 @@ def test_the_verdict_answers_the_auditors_question() -> None:
     assert "reconstructed 6 of 6 client batches exactly" in every["verdict"]
 
     protected = [ClientAudit(1, k, partition_id=k, status="protected",
-                             reason="the update mixes at least min(m, n) = 100 samples")
+                             reason="the update mixes at least min(m, n) = 100 samples",
+                             protected_by="full-rank")
                  for k in range(3)]
     safe = _summary_of(protected)
     assert safe["verdict_level"] == "safe"

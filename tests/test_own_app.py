@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fl_attack_flwr.output.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "photo-mlp"

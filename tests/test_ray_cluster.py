@@ -17,8 +17,9 @@ from ray.cluster_utils import Cluster
 
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, verdicts
 from fl_attack_flwr.executors.ray_actors import RayExecutor
-from fl_attack_flwr.jobs.build import AttackJob, build_job, choose_layer
-from fl_attack_flwr.output.store import records_from_jsonl
+from fl_attack_flwr.jobs.build import AttackJob, build_job
+from fl_attack_flwr.jobs.layers import choose_layer
+from fl_attack_flwr.output.private_files import records_from_jsonl
 from tests.flower_fakes import configure, fedavg, good_replies
 
 ATTACK_NODE = {"fl-attack": 1.0}

@@ -24,8 +24,9 @@ from fl_attack_flwr import AuditingStrategy
 from fl_attack_flwr.app.run_config import RunConfigError, check_run_config, resolve_run_config
 from fl_attack_flwr.clients.partition import eval_split, iid_partition
 from fl_attack_flwr.output.progress import by_round, progress_png, trend_sentence
-from fl_attack_flwr.output.store import AuditStore, ClientAudit
+from fl_attack_flwr.output.store import AuditStore
 from fl_attack_flwr.output.summary import READABLE_DB
+from fl_attack_flwr.results.records import ClientAudit
 from tests.flower_fakes import FakeGrid, fedavg
 
 B = 8

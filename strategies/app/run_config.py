@@ -18,23 +18,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fl_attack_flwr.clients.defaults import CLIENT_DEFAULTS, parse_faults
 from fl_attack_flwr.clients.leak_guard import POLICIES
+from fl_attack_flwr.clients.partition import PARTITIONINGS
 from fl_attack_flwr.output.privacy_gate import FAIL_ON
-from fl_attack_flwr.settings import EXECUTORS, MODES, TARGETS, AttackSettings, RoundFilter
-from fl_attack_flwr.wire import CLIENT_DEFAULTS, PARTITIONINGS, PROTOCOLS, parse_faults
-
-__all__ = [
-    "CONFIG_ENV",
-    "DEFAULT_RUN_CONFIG",
-    "RunConfigError",
-    "attack_settings",
-    "check_run_config",
-    "parse_attack_options",
-    "model_factory",
-    "parse_resources",
-    "resolve_run_config",
-    "shard_sizes",
-]
+from fl_attack_flwr.output.store import is_run_name
+from fl_attack_flwr.settings import (
+    EXECUTORS,
+    MODES,
+    TARGETS,
+    UPDATE_OF_PROTOCOL,
+    AttackSettings,
+    RoundFilter,
+)
 
 CONFIG_ENV = "FL_ATTACK_RUN_CONFIG"
 
@@ -79,7 +75,6 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
 
 _DATASET_SIZES = {"photos32": 2000, "photos64": 2000, "greys32": 2000, "hopper32": 2000,
                   "mnist": 5000, "cifar10": 50000, "mnist-torchvision": 60000}
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class RunConfigError(ValueError):
@@ -264,7 +259,8 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("num-clients", cfg["num-clients"] >= 1, ">= 1"),
         ("fraction-train", 0 < cfg["fraction-train"] <= 1, "in (0, 1]"),
         ("fraction-evaluate", 0 <= cfg["fraction-evaluate"] <= 1, "in [0, 1]"),
-        ("protocol", cfg["protocol"] in PROTOCOLS, f"one of {list(PROTOCOLS)}"),
+        ("protocol", cfg["protocol"] in UPDATE_OF_PROTOCOL,
+         f"one of {list(UPDATE_OF_PROTOCOL)}"),
         ("dataset", cfg["dataset"] in _DATASET_SIZES, f"one of {list(_DATASET_SIZES)}"),
         ("dataset-size", cfg["dataset-size"] >= 0, ">= 0 (0 = all)"),
         ("partitioning", cfg["partitioning"] in PARTITIONINGS, f"one of {list(PARTITIONINGS)}"),
@@ -297,7 +293,7 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
          f"one of {list(POLICIES)} or empty (no guard)"),
         ("leak-guard-seconds", cfg["leak-guard-seconds"] > 0, "> 0"),
         ("leak-guard-epsilon", cfg["leak-guard-epsilon"] > 0, "> 0"),
-        ("run-name", cfg["run-name"] == "" or bool(_RUN_NAME.match(cfg["run-name"])),
+        ("run-name", cfg["run-name"] == "" or is_run_name(cfg["run-name"]),
          "letters, digits, '.', '_', '-' (or empty for a fresh name)"),
     ]
     problems = [f"{key} must be {want}, got {cfg[key]!r}" for key, ok, want in rules if not ok]

@@ -2,7 +2,7 @@
 
 ``flwr run .`` starts it (``[tool.flwr.app.components]`` in ``pyproject.toml``); ``make demo``
 runs it in-process with ``flwr.simulation.run_simulation``. The run config is resolved and
-checked before anything is trained or written (``strategies/run_config.py``): a bad setting
+checked before anything is trained or written (``app/run_config.py``): a bad setting
 fails the run at once with a message naming it. The ServerApp then waits up to ``node-wait``
 seconds for ``num-clients`` nodes (and says how many it found if they never come), and forwards
 the client-side settings to the clients with every message, so both sides agree.
@@ -27,8 +27,6 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from fl_attack_flwr.app.run_config import (
-    CONFIG_ENV,
-    DEFAULT_RUN_CONFIG,
     RunConfigError,
     attack_settings,
     check_run_config,
@@ -36,12 +34,10 @@ from fl_attack_flwr.app.run_config import (
     resolve_run_config,
 )
 from fl_attack_flwr.audit import AuditingStrategy
+from fl_attack_flwr.clients.defaults import CLIENT_DEFAULTS
 from fl_attack_flwr.output.privacy_gate import PrivacyGateError, gate_failure
 from fl_attack_flwr.output.store import AuditStore
 from fl_attack_flwr.results.pictures import GroundTruth
-from fl_attack_flwr.wire import CLIENT_DEFAULTS
-
-__all__ = ["CONFIG_ENV", "DEFAULT_RUN_CONFIG", "app", "run_audit", "wait_for_nodes"]
 
 
 def client_config_record(cfg: Mapping[str, Any]) -> ConfigRecord:

@@ -4,7 +4,8 @@ Every executor (:mod:`fl_attack_flwr.executors.processes`: inline, a pool of wor
 :mod:`fl_attack_flwr.executors.ray_actors`: Ray actors) takes
 :class:`~fl_attack_flwr.jobs.build.AttackJob` s and returns ``concurrent.futures.Future`` s
 of :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` s; a future never fails: what happens to
-an attack (a hard timeout, a dead worker, a memory cap) is its outcome.
+an attack (a hard timeout, a dead worker, a memory cap) is its outcome, and
+:func:`outcome_of` reads a finished future the same way whichever executor gave it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 
+from fl_attack_flwr import verdicts
 from fl_attack_flwr.jobs.build import AttackJob
-from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.settings import usable_cores
-
-__all__ = ["Executor", "cores_share", "lower_priority", "prepare_worker"]
 
 
 class Executor:
@@ -33,6 +33,15 @@ class Executor:
 
     def close(self) -> None:
         """Stop every worker; unfinished futures get an ``unfinished`` outcome."""
+
+
+def outcome_of(fut: Future[AttackOutcome]) -> AttackOutcome:
+    """A finished future's outcome; a cancelled or failed one becomes an error outcome."""
+    try:
+        return fut.result()
+    except Exception as exc:  # noqa: BLE001 - CancelledError included
+        status = verdicts.UNFINISHED if fut.cancelled() else verdicts.ATTACK_ERROR
+        return error_outcome(status, f"{type(exc).__name__}: {exc}")
 
 
 def lower_priority(niceness: int) -> None:

@@ -35,14 +35,11 @@ from multiprocessing.connection import wait as wait_connections
 from typing import Any
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.executors.base import Executor, cores_share, lower_priority, prepare_worker
+from fl_attack_flwr.executors.base import Executor, cores_share, prepare_worker
 from fl_attack_flwr.jobs.build import AttackJob
 from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.jobs.run import run_job
 from fl_attack_flwr.settings import AttackSettings, usable_cores
-
-__all__ = ["Executor", "InlineExecutor", "PoolExecutor", "cores_share", "lower_priority",
-           "make_executor", "prepare_worker"]
 
 log = logging.getLogger("fl_attack")
 

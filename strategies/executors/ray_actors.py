@@ -25,8 +25,6 @@ from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 from fl_attack_flwr.jobs.run import run_job
 from fl_attack_flwr.settings import usable_cores
 
-__all__ = ["RayExecutor"]
-
 log = logging.getLogger("fl_attack")
 
 SHARED_RAY_WAIT = 10.0

@@ -1,11 +1,15 @@
-"""From a training reply to what the audit knows of it and what it attacks, without raising.
+"""A training reply's way in: can it be aggregated, what does it say, what is attacked.
 
-Each reply becomes :class:`~fl_attack_flwr.results.records.ReplyFacts` (who sent it, which
-layer, how many examples, the DP accounting it reported) and its *work*: an
-:class:`~fl_attack_flwr.jobs.build.AttackJob` when there is something to attack, otherwise the
+Each reply becomes :class:`~fl_attack_flwr.intake.facts.ReplyFacts` (who sent it, which layer,
+how many examples, the DP accounting and the guard's finding it reported, the audit-mode sample
+ids) and its *work*: an :class:`~fl_attack_flwr.jobs.build.AttackJob` when there is something
+to attack (built by :func:`fl_attack_flwr.jobs.build.attack_job`), otherwise the
 :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` that says why not (a client error, a corrupt
-reply, a skipped one, no update). Under secure aggregation the round's aggregate is the one
-thing attacked (:func:`aggregate_intake`).
+reply, a refused or skipped one, no update). Under secure aggregation the round's aggregate is
+the one thing attacked (:func:`aggregate_intake`). Nothing here raises for what a reply holds.
+
+This is the plugin's one reader of Flower ``Message`` s from clients; the keys it reads are
+defined in :mod:`fl_attack_flwr.wire`.
 """
 
 from __future__ import annotations
@@ -18,34 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fl_attack_flwr import verdicts
-from fl_attack_flwr.jobs.build import (
-    AttackJob,
-    LayerChoice,
-    build_job,
-    choose_layer,
-    corrupt_reason,
-    metric,
-    partition_id,
-    sample_indices,
-)
-from fl_attack_flwr.jobs.layers import Passed, passed_words, scan_layers
+from fl_attack_flwr import verdicts, wire
+from fl_attack_flwr.intake.facts import ReplyFacts
+from fl_attack_flwr.jobs.build import AttackJob, attack_job
+from fl_attack_flwr.jobs.layers import LayerChoice, Passed
+from fl_attack_flwr.jobs.model_plan import LayerPlan, ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome
-from fl_attack_flwr.jobs.pixels import LayerPlan, ModelPlan
-from fl_attack_flwr.results.records import ReplyFacts
 from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.wire import (
-    DELTA_KEY,
-    EPSILON_CUMULATIVE_KEY,
-    EPSILON_KEY,
-    GUARD_CODES,
-    GUARD_KEYS,
-    NOISE_STD_KEY,
-)
-
-__all__ = ["Intake", "Work", "aggregate_intake", "guard_of", "reply_intake", "sample_replies"]
 
 Work = AttackJob | AttackOutcome
 """What to do with a reply: attack this job, or record this outcome (nothing to attack)."""
@@ -126,27 +111,124 @@ def aggregate_intake(ctx: Intake, clients: list[ReplyFacts],
     return _with_job(ctx, facts, sent, aggregated)
 
 
+def strip_ground_truth(reply: Message) -> None:
+    """Remove the audit-only sample indices before the wrapped strategy sees the reply."""
+    info = client_info(reply)
+    if info is not None and wire.SAMPLE_INDICES_KEY in info:
+        del info[wire.SAMPLE_INDICES_KEY]
+
+
+# ---------------------------------------------------------------------------- what it says
+
+
 def _with_metrics(ctx: Intake, facts: ReplyFacts, reply: Message) -> ReplyFacts:
     """``facts`` with what the reply's metrics say (examples, DP accounting, sample ids)."""
-    num = metric(reply, ctx.weighted_by_key)
     return dataclasses.replace(
-        facts, num_examples=None if num is None else int(num),
-        epsilon=metric(reply, EPSILON_KEY),
-        epsilon_cumulative=metric(reply, EPSILON_CUMULATIVE_KEY), delta=metric(reply, DELTA_KEY),
-        noise_std=metric(reply, NOISE_STD_KEY), sample_indices=sample_indices(reply),
-        guard=guard_of(reply))
+        facts, num_examples=wire.num_examples(reply, ctx.weighted_by_key),
+        epsilon=wire.metric(reply, wire.EPSILON_KEY),
+        epsilon_cumulative=wire.metric(reply, wire.EPSILON_CUMULATIVE_KEY),
+        delta=wire.metric(reply, wire.DELTA_KEY), noise_std=wire.metric(reply, wire.NOISE_STD_KEY),
+        sample_indices=sample_indices(reply), guard=guard_of(reply))
 
 
 def guard_of(reply: Message) -> dict[str, Any] | None:
-    """The reply's ``LeakGuard`` finding (``protocol.GUARD_KEYS``) in words, or ``None``."""
-    values = {key: metric(reply, key) for key in GUARD_KEYS}
+    """The reply's ``LeakGuard`` finding (``wire.GUARD_KEYS``) in words, or ``None``."""
+    values = {key: wire.metric(reply, key) for key in wire.GUARD_KEYS}
     if any(v is None for v in values.values()):
         return None
     status, refused, escalated, certified, readable, lam, seconds = values.values()
-    return {"status": GUARD_CODES.get(int(status), "unknown"), "refused": bool(refused),
+    return {"status": wire.GUARD_CODES.get(int(status), "unknown"), "refused": bool(refused),
             "escalated": bool(escalated), "certified": bool(certified),
             "readable_samples": int(readable), "sparsity_match": None if lam < 0 else lam,
             "seconds": seconds}
+
+
+def client_info(reply: Message) -> ConfigRecord | None:
+    """The reply's ``client-info`` ConfigRecord (the plugin's own clients send one)."""
+    if reply.has_content() and wire.CLIENT_INFO_KEY in reply.content.config_records:
+        return reply.content.config_records[wire.CLIENT_INFO_KEY]
+    return None
+
+
+def partition_id(reply: Message) -> int | None:
+    """The client's partition id, from ``client-info`` or a metric of that name."""
+    info = client_info(reply)
+    sources = ([info] if info is not None else []) + (
+        list(reply.content.metric_records.values()) if reply.has_content() else [])
+    for source in sources:
+        value = source.get(wire.PARTITION_ID_KEY)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+    return None
+
+
+def sample_indices(reply: Message) -> list[int] | None:
+    """The audit-mode ground truth: indices of the samples the client trained on."""
+    info = client_info(reply)
+    values = None if info is None else info.get(wire.SAMPLE_INDICES_KEY)
+    return [int(v) for v in values] if values else None
+
+
+# ---------------------------------------------------------------------------- can it be aggregated
+
+
+def corrupt_reason(reply: Message, global_arrays: ArrayRecord | None,
+                   weighted_by_key: str = wire.NUM_EXAMPLES_KEY) -> str | None:
+    """Why a (non-error) training reply cannot be aggregated, or ``None`` when it can.
+
+    Checks what FedAvg relies on: exactly one ArrayRecord with the same array names and shapes as
+    the global model, real numbers or booleans (integer buffers such as BatchNorm's
+    ``num_batches_tracked`` included: the audit never attacks them) and finite, and exactly one
+    MetricRecord with a positive finite ``weighted_by_key``.
+    """
+    content = reply.content
+    if len(content.array_records) != 1:
+        return f"expected exactly one ArrayRecord, got {len(content.array_records)}"
+    record = next(iter(content.array_records.values()))
+    if global_arrays is not None:
+        missing = sorted(set(global_arrays.keys()) - set(record.keys()))
+        extra = sorted(set(record.keys()) - set(global_arrays.keys()))
+        if missing:
+            return f"missing arrays {missing}"
+        if extra:
+            return f"unexpected arrays {extra}"
+    for key, arr in record.items():
+        reason = _array_problem(key, arr, global_arrays)
+        if reason is not None:
+            return reason
+    if len(content.metric_records) != 1:
+        return f"expected exactly one MetricRecord, got {len(content.metric_records)}"
+    metrics = next(iter(content.metric_records.values()))
+    if _weight_of(metrics, weighted_by_key) is None:
+        return f"MetricRecord lacks a positive finite {weighted_by_key!r}"
+    return None
+
+
+def _weight_of(metrics: MetricRecord, key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def _array_problem(key: str, arr: Any, global_arrays: ArrayRecord | None) -> str | None:
+    try:
+        value = arr.numpy()
+    except Exception as exc:  # noqa: BLE001 - undecodable payload
+        return f"array {key!r} cannot be decoded: {exc}"
+    if global_arrays is not None:
+        want = tuple(global_arrays[key].shape)
+        if tuple(value.shape) != want:
+            return f"array {key!r} has shape {tuple(value.shape)}, expected {want}"
+    real = np.issubdtype(value.dtype, np.number) and not np.iscomplexobj(value)
+    if not (real or value.dtype == np.bool_):  # FedAvg's weighted sum takes ints and bools
+        return f"array {key!r} is not real numeric (dtype {value.dtype})"
+    if not np.isfinite(value).all():
+        return f"array {key!r} contains NaN or inf"
+    return None
+
+
+# ---------------------------------------------------------------------------- what is attacked
 
 
 def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
@@ -159,32 +241,29 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
         n_state = {k: v.numpy() for k, v in returned.items()}
         model = ctx.model
         plan_of = None if model is None else (lambda key: model.layer(key, g_state))
-        layer, passed = scan_layers(g_state, n_state, ctx.settings, plan_of)
-        facts = dataclasses.replace(facts, passed_over=[p.as_dict() for p in passed] or None)
-        if layer is None:
-            first = choose_layer(g_state, passed[0].layer)
-            facts = dataclasses.replace(facts, layer=first.weight_key,
-                                        layer_shape=list(first.shape))
-            return facts, AttackOutcome(verdicts.NOT_COVERED, reason=passed_words(
-                passed, ctx.settings.weight_key is not None))
+        target, work = attack_job(g_state, n_state, ctx.settings, label=facts.client_label,
+                                  server_round=facts.server_round, node_id=facts.node_id,
+                                  num_examples=facts.num_examples or None, plan_of=plan_of)
+        layer = target.layer
+        facts = dataclasses.replace(
+            facts, passed_over=[p.as_dict() for p in target.passed] or None,
+            layer=layer.weight_key, layer_shape=list(layer.shape))
+        if not target.covered:
+            return facts, work
         plan = None if plan_of is None else plan_of(layer.weight_key)
         facts = dataclasses.replace(
-            facts, layer=layer.weight_key, layer_shape=list(layer.shape),
-            reads="inputs" if layer.first_is_linear else "features",
-            inputs_are=_what_is_read(layer, plan, passed) or facts.inputs_are)
-        job = build_job(facts.server_round, facts.node_id, facts.client_label, g_state,
-                        n_state, layer, ctx.settings)
-        job = dataclasses.replace(job, num_examples=facts.num_examples or None)
+            facts, reads="inputs" if layer.first_is_linear else "features",
+            inputs_are=_what_is_read(layer, plan, target.passed) or facts.inputs_are)
+        if isinstance(work, AttackOutcome):
+            return facts, work
         if plan is not None and not layer.first_is_linear and model is not None:
-            job = dataclasses.replace(job, pixels=model.task(plan, g_state, n_state,
-                                                             ctx.settings.seed))
+            work = dataclasses.replace(work, pixels=model.task(plan, g_state, n_state,
+                                                               ctx.settings.seed))
     except ValueError as exc:
-        if "identically zero" in str(exc):
-            return facts, AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
         return facts, AttackOutcome(verdicts.ATTACK_ERROR, error=str(exc))
     log.info("[audit] round %d, %s: attacking %s %s (read as %s)", facts.server_round,
-             facts.client_label, layer.weight_key, layer.shape, " then ".join(job.readings))
-    return facts, job
+             facts.client_label, layer.weight_key, layer.shape, " then ".join(work.readings))
+    return facts, work
 
 
 def _what_is_read(layer: LayerChoice, plan: LayerPlan | None,

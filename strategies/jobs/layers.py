@@ -1,4 +1,4 @@
-"""Which linear layer the audit attacks: the first one the attack covers, and why not the others.
+"""Which linear layer is attacked: the first one the attack covers, and why not the others.
 
 SPEAR reads a linear layer whose output goes straight into a ReLU (§3.2: each sample's ∂L/∂Z
 is zero where its unit is inactive) and fixes each sample's scale with the layer's bias
@@ -10,7 +10,7 @@ attack covers: the scan records it ``not-covered`` and goes on to the next linea
 input is that block's output (its inputs are then features, and recorded as such).
 
 What follows a layer is read from the user's model when the audit has it
-(:class:`~fl_attack_flwr.jobs.pixels.LayerPlan`: the traced consumer of the layer's output),
+(:class:`~fl_attack_flwr.jobs.model_plan.LayerPlan`: the traced consumer of the layer's output),
 and from the arrays otherwise (:func:`batchnorm_after`): a norm's ``...running_mean`` of the
 layer's width among the keys right after the layer's, or a bias that did not move while the
 weights did. A layer the user names (``AttackSettings(weight_key=...)``) is the only one
@@ -26,10 +26,7 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-from fl_attack_flwr.jobs.build import LayerChoice, choose_layer
 from fl_attack_flwr.settings import AttackSettings
-
-__all__ = ["Passed", "batchnorm_after", "passed_words", "scan_layers"]
 
 STILL_RATIO = 1e-4
 """A unit's bias change below this fraction of its largest weight change is rounding: after a
@@ -39,6 +36,52 @@ its units (``∂L/∂b = Σᵢ ∂L/∂zᵢ`` against ``∂L/∂W = Σᵢ ∂L/�
 
 PlanOf = Callable[[str], Any]
 """``weight_key -> LayerPlan | None``: what the user's model says about a layer."""
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """A linear layer of a model's state dict, by its keys.
+
+    ``first_is_linear`` is False when a non-linear-layer weight (a convolution, an embedding)
+    comes before it: the reconstruction is then that layer's input *features*, not the raw input.
+    """
+
+    weight_key: str
+    bias_key: str
+    shape: tuple[int, int]
+    first_is_linear: bool
+    next_weight_key: str | None = None
+
+
+def choose_layer(state: Mapping[str, np.ndarray], weight_key: str | None = None,
+                 bias_key: str | None = None) -> LayerChoice:
+    """The layer ``weight_key`` when given, else the first linear layer with a bias.
+
+    Raises ``ValueError`` naming the keys when the named layer is missing or is not a linear
+    layer with a bias, or when the model has no such layer at all.
+    """
+    from fl_attack.model.updates import layer_keys
+
+    pairs = layer_keys(state)
+    if weight_key is None:
+        if not pairs:
+            raise ValueError("the model has no linear layer with a bias (a 2-d '...weight' and "
+                             f"its '...bias'); its arrays: {list(state)}")
+        weight_key, bias_key = pairs[0]
+    else:
+        bias_key = bias_key or (weight_key[: -len("weight")] + "bias"
+                                if weight_key.endswith("weight") else None)
+        if (weight_key, bias_key) not in pairs:
+            raise ValueError(f"weight_key {weight_key!r} / bias_key {bias_key!r} is not a linear "
+                             f"layer with a bias of this model; linear layers: "
+                             f"{[w for w, _ in pairs]}")
+    keys = [w for w, _ in pairs]
+    at = keys.index(weight_key)
+    nxt = keys[at + 1] if at + 1 < len(keys) else None
+    before = list(state)[: list(state).index(weight_key)]
+    first_is_linear = not any(np.ndim(state[k]) >= 2 for k in before)
+    shape = tuple(int(s) for s in np.shape(state[weight_key]))
+    return LayerChoice(weight_key, str(bias_key), (shape[0], shape[1]), first_is_linear, nxt)
 
 
 @dataclass(frozen=True)

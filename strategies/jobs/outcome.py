@@ -1,8 +1,8 @@
 """What one attack job gave back: :class:`AttackOutcome`, the one type every executor returns.
 
 An outcome crosses process boundaries (pool workers, Ray actors), so it holds plain data only
-(numbers, strings, a NumPy array, the library's JSON-safe summary) and this module imports
-neither torch nor Flower. ``status`` is one of ``verdicts.STATUSES``: a reconstruction
+(numbers, strings, a NumPy array, the library's JSON-safe reconstruction facts) and this module
+imports neither torch nor Flower. ``status`` is one of ``verdicts.STATUSES``: a reconstruction
 (``certified``, ``not-certified``, ``partial``), ``protected``, or why the audit gave no answer.
 """
 
@@ -16,8 +16,6 @@ from typing import Any
 import numpy as np
 
 from fl_attack_flwr import verdicts
-
-__all__ = ["AttackOutcome", "error_outcome"]
 
 
 @dataclass(frozen=True)
@@ -38,14 +36,18 @@ class AttackOutcome:
         Wall time of the attack job (``None`` when no attack ran).
     inputs
         ``(B, n)`` reconstructed layer inputs (float64), for reconstructions only.
-    summary
+    reconstruction
         ``fl_attack.Reconstruction.as_dict()`` of the reconstruction (JSON-safe), or ``None``.
     ran_on
         Where the attack ran: ``"server"`` (inline), ``"pid:<pid>@<host>"`` (a worker
         process) or ``"ray-node:<node id>"`` (a Ray actor).
     pixels
         When the reconstructed inputs are features and the model is known: the pictures
-        estimated from them (a ``pixel_step.PixelOutcome``).
+        estimated from them (a ``jobs.pixels.PixelOutcome``).
+    protected_by
+        For ``protected``: why the layer cannot separate the batch, as
+        ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``: the update mixes
+        more samples than the layer separates; ``"no-signal"``: noise hides every sample).
     """
 
     status: str
@@ -54,9 +56,10 @@ class AttackOutcome:
     reading: str | None = None
     seconds: float | None = None
     inputs: np.ndarray | None = field(default=None, repr=False, compare=False)
-    summary: Mapping[str, Any] | None = field(default=None, repr=False)
+    reconstruction: Mapping[str, Any] | None = field(default=None, repr=False)
     ran_on: str | None = None
     pixels: Any = field(default=None, repr=False, compare=False)
+    protected_by: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:
@@ -68,9 +71,9 @@ class AttackOutcome:
         """Whether the outcome holds a reconstruction."""
         return self.status in verdicts.RECONSTRUCTED
 
-    def summary_value(self, key: str) -> Any:
-        """One field of the reconstruction's summary (``None`` without one)."""
-        return None if self.summary is None else self.summary.get(key)
+    def reconstruction_field(self, key: str) -> Any:
+        """One field of :attr:`reconstruction` (``None`` without a reconstruction)."""
+        return None if self.reconstruction is None else self.reconstruction.get(key)
 
     def took(self, seconds: float) -> AttackOutcome:
         """The same outcome with ``seconds`` as its wall time."""

@@ -1,10 +1,12 @@
-"""Running one attack job, wherever it runs (the server process, a worker process, a Ray actor).
+"""Running one attack job, wherever it runs (the server process, a worker process, a Ray actor,
+the client's own ``LeakGuard``).
 
-:func:`run_job` is the one function every executor calls. It never raises for what can happen
-to an attack: it returns an :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome` that says what the
-server learned (:mod:`fl_attack_flwr.verdicts`): a reconstruction with its verdict,
-``protected`` when the update does not reveal its batch, ``out-of-memory`` under the memory
-cap, ``attack-error`` with the exception otherwise.
+:func:`run_job` is the one function every executor and the guard call. It never raises for
+what can happen to an attack: it returns an :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome`
+that says what the attack learned (:mod:`fl_attack_flwr.verdicts`): a reconstruction with its
+verdict, ``protected`` when the update does not reveal its batch, ``out-of-memory`` under the
+memory cap, ``attack-error`` with the exception otherwise. Where the layer's inputs are features
+and the job carries a pixel task, the pictures are estimated here too (``jobs.pixels``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from typing import Any
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.jobs.build import AttackJob
 from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
-
-__all__ = ["error_outcome", "run_job"]
 
 _GB = 1024**3
 
@@ -55,7 +55,7 @@ def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
 def _rank(out: AttackOutcome) -> tuple[int, float]:
     """Order of outcomes: certified > complete > partial, then λ."""
     order = {verdicts.CERTIFIED: 2, verdicts.NOT_CERTIFIED: 1, verdicts.PARTIAL: 0}
-    lam = out.summary_value("sparsity_match")
+    lam = out.reconstruction_field("sparsity_match")
     return order.get(out.status, -1), -1.0 if lam is None else float(lam)
 
 
@@ -79,27 +79,27 @@ def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> Atta
                                  time.perf_counter() - t0)
         status = verdicts.OUT_OF_MEMORY if _is_oom(exc) else verdicts.ATTACK_ERROR
         return error_outcome(status, error, time.perf_counter() - t0)
-    summary = rec.as_dict()
+    facts = rec.as_dict()
     if known is not None:
-        summary["batch_size_from"] = known
-    status, reason = verdicts.reconstruction_verdict(summary)
+        facts["batch_size_from"] = known
+    status, reason = verdicts.reconstruction_verdict(facts)
     notes = [known] if known is not None else []
     if job.num_examples is not None and rec.batch_size < job.num_examples:
-        summary["separated"] = verdicts.separated_reason(rec.batch_size, job.num_examples,
-                                                         bool(summary.get("noisy")))
-        notes.append(summary["separated"])
+        facts["separated"] = verdicts.separated_reason(rec.batch_size, job.num_examples,
+                                                       bool(facts.get("noisy")))
+        notes.append(facts["separated"])
     if notes:
         reason = "; ".join([*notes, *([reason] if reason else [])])
     inputs = rec.inputs.detach().cpu().double().numpy()
     pixels = None
     if job.pixels is not None and rec.n_directions == rec.batch_size:
-        from fl_attack_flwr.jobs.pixels import run_pixels
+        from fl_attack_flwr.jobs.pixels import run_pixels  # torch, only for features
 
         # each sample's upstream gradient is known for one gradient step only
         pixels = run_pixels(job.pixels, inputs,
                             job.weight_grad if reading == "gradient" else None, job.weight)
     return AttackOutcome(status, reason=reason, reading=reading,
-                         seconds=time.perf_counter() - t0, inputs=inputs, summary=summary,
+                         seconds=time.perf_counter() - t0, inputs=inputs, reconstruction=facts,
                          pixels=pixels)
 
 
@@ -118,7 +118,7 @@ def _not_identifiable(job: AttackJob, reading: str, exc: Any, seconds: float) ->
             "verdict on this update)"), seconds)
     return AttackOutcome(verdicts.PROTECTED,
                          reason=verdicts.protected_reason(exc.reason, exc.rank, exc.limit, n),
-                         reading=reading, seconds=seconds)
+                         reading=reading, seconds=seconds, protected_by=exc.reason)
 
 
 def _invert_reading(job: AttackJob, reading: str) -> tuple[Any, str | None]:
@@ -172,7 +172,11 @@ _OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memor
 
 def _is_oom(exc: Exception) -> bool:
     """Whether ``exc`` is a failed allocation, whichever layer reported it (torch's CPU
-    allocator, CUDA, the C++ runtime, or the OS: ``[Errno 12] Cannot allocate memory``)."""
+    allocator, CUDA, the C++ runtime, or the OS: ``[Errno 12] Cannot allocate memory``).
+
+    By type where there is one (CUDA's ``OutOfMemoryError``, an ``OSError`` with errno 12);
+    torch's CPU allocator raises a plain ``RuntimeError`` whose words are the only sign, so
+    for that foreign exception its message is read."""
     text = str(exc).lower()
     return (type(exc).__name__ == "OutOfMemoryError" or getattr(exc, "errno", None) == 12
             or any(word in text for word in _OOM_WORDS))
@@ -180,9 +184,9 @@ def _is_oom(exc: Exception) -> bool:
 
 def _lost_allocation(exc: Exception) -> bool:
     """Whether an exception under a memory cap is an allocation a C extension failed without
-    raising (CPython's ``SystemError: error return without exception set``, seen from numpy or
-    torch when the cap refuses their memory)."""
-    return isinstance(exc, SystemError) and "without exception" in str(exc)
+    raising: CPython's ``SystemError`` (an internal error, "error return without exception
+    set", seen from numpy or torch when the cap refuses their memory)."""
+    return isinstance(exc, SystemError)
 
 
 @contextlib.contextmanager

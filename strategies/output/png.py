@@ -7,8 +7,6 @@ import math
 
 import numpy as np
 
-__all__ = ["image_grid", "png_bytes"]
-
 
 def image_grid(images: np.ndarray, *, ncols: int | None = None, pad: int = 2,
                min_side: int = 256) -> np.ndarray:

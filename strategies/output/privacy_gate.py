@@ -7,9 +7,9 @@
     the update alone);
 ``"readable"``
     a certified reconstruction of the model's own inputs, or any reconstruction scored
-    recognisable against the ground truth (PSNR above 25 dB, audit mode only: pictures
-    estimated from features count by their score; without ground truth an uncertified
-    reconstruction cannot be judged and does not trip the gate);
+    recognisable against the ground truth (PSNR above ``summary.READABLE_DB``; audit mode
+    only: pictures estimated from features count by their score; without ground truth an
+    uncertified reconstruction cannot be judged and does not trip the gate);
 ``"reconstructed"``
     any reconstruction at all, certified or not, complete or partial.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FAIL_ON", "PrivacyGateError", "check_fail_on", "gate_failure"]
+from fl_attack_flwr.output.summary import READABLE_DB
 
 FAIL_ON: tuple[str, ...] = ("", "certified", "readable", "reconstructed")
 
@@ -55,8 +55,7 @@ def gate_failure(summary: Mapping[str, Any], fail_on: str) -> str | None:
     if count == 0:
         return None
     what = {"certified": "reconstructed exactly (certified)",
-            "readable": "readable (certified, or recognisable at PSNR > 25 dB)",
+            "readable": f"readable (certified, or recognisable at PSNR > {READABLE_DB:.0f} dB)",
             "reconstructed": "reconstructed (certified or not)"}[fail_on]
     return (f"privacy gate fail-on={fail_on!r}: {count} of {attacked} attacked client "
             f"update(s) {what}; see {summary.get('report')}")
-

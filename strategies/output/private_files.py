@@ -20,9 +20,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DIR_MODE", "FILE_MODE", "append_line", "atomic_write_bytes", "dumps", "jsonable",
-           "make_private_dir", "records_from_jsonl"]
-
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 

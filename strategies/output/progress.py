@@ -24,8 +24,6 @@ from typing import Any
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.results.records import ClientAudit
 
-__all__ = ["ACCURACY_KEYS", "accuracy_of", "by_round", "progress_png", "trend_sentence"]
-
 ACCURACY_KEYS = ("eval-acc", "accuracy", "acc", "eval_acc", "eval-accuracy", "val-acc",
                  "test-acc")
 """Metric names read as the model's accuracy (the bundled client's ``eval-acc`` first)."""

@@ -17,8 +17,6 @@ from fl_attack_flwr.output.progress import progress_png
 from fl_attack_flwr.output.summary import EXACT_DB, READABLE_DB
 from fl_attack_flwr.results.records import ClientAudit
 
-__all__ = ["STYLE", "figure_png", "fmt", "html_table", "inline_png", "render_report"]
-
 STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
     "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
     "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;"

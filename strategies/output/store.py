@@ -44,33 +44,23 @@ import numpy as np
 from fl_attack_flwr.output.png import image_grid, png_bytes
 from fl_attack_flwr.output.private_files import (
     DIR_MODE,
-    FILE_MODE,
     append_line,
     atomic_write_bytes,
     dumps,
     jsonable,
     make_private_dir,
-    records_from_jsonl,
 )
 from fl_attack_flwr.output.report import render_report
 from fl_attack_flwr.output.summary import summarize
 from fl_attack_flwr.results.records import ClientAudit
 
-__all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
-    "AuditStore",
-    "ClientAudit",
-    "atomic_write_bytes",
-    "image_grid",
-    "jsonable",
-    "make_private_dir",
-    "new_run_name",
-    "png_bytes",
-    "records_from_jsonl",
-]
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+def is_run_name(name: str) -> bool:
+    """Whether ``name`` may name a run's directory: letters, digits, ``.``, ``_``, ``-``, up
+    to 128 characters, starting with a letter or digit."""
+    return bool(_RUN_NAME.match(name))
 
 
 def _without_arrays(record: ClientAudit) -> ClientAudit:
@@ -124,7 +114,7 @@ class AuditStore:
                              f"{retain_rounds!r}")
         self.reconstructions, self.retain_rounds = bool(reconstructions), retain_rounds
         name = run_name or new_run_name()
-        if not _RUN_NAME_RE.match(name) or name in (".", ".."):
+        if not is_run_name(name):
             raise ValueError(f"invalid run name {name!r} (letters, digits, '.', '_', '-')")
         self.root = Path(output_dir).expanduser().absolute()
         if not self.root.exists():

@@ -22,13 +22,11 @@ from fl_attack_flwr.output import progress
 from fl_attack_flwr.output.private_files import jsonable
 from fl_attack_flwr.results.records import ClientAudit
 
-__all__ = ["EXACT_DB", "READABLE_DB", "accountant_notes", "config_notes", "strategy_notes",
-           "summarize", "verdict"]
-
 EXACT_DB = 90.0
 """PSNR above which a reconstruction is exact to float precision (the papers' threshold)."""
 READABLE_DB = 25.0
 """PSNR above which a reconstructed image is recognisable (the SPEAR papers' DP threshold)."""
+
 
 def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, Any]],
               config: Mapping[str, Any], *, run_name: str, run_dir: Path | str,
@@ -102,8 +100,8 @@ def _feature_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
     ssims = [r.ssim_mean for r in feats if r.ssim_mean is not None]
     residual = [r.pixels["feature_residual_mean"] for r in feats
                 if r.pixels and r.pixels.get("feature_residual_mean") is not None]
-    mixing = [r for r in records if r.status == verdicts.PROTECTED and r.reason
-              and "mixes" in r.reason]
+    mixing = [r for r in records if r.status == verdicts.PROTECTED
+              and r.protected_by == "full-rank"]
     return {
         "inputs_certified": sum(1 for r in cert if r.reads != "features"),
         "features_certified": sum(1 for r in cert if r.reads == "features"),
@@ -278,8 +276,3 @@ def _eps(value: Any) -> str:
 
 def _status_list(s: Mapping[str, Any]) -> str:
     return ", ".join(f"{n} {k}" for k, n in s["statuses"].items()) or "no replies"
-
-
-# --------------------------------------------------------------------------- HTML
-
-

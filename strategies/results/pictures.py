@@ -1,4 +1,4 @@
-"""From reconstructed layer inputs to pictures, and from pictures to a score against the truth.
+"""A reconstruction as pictures, and the pictures scored against the truth.
 
 * :class:`InputView` turns the attacked layer's reconstructed inputs (``(B, n)`` numbers) into
   what an auditor can look at: images of a known or inferred shape, scaled back to ``[0, 1]``
@@ -6,18 +6,21 @@
   rows of a table when the inputs are not images.
 * :class:`GroundTruth` is the audit mode's dataset, indexed by the sample ids the plugin's own
   clients report; :func:`score_images` matches reconstructions to originals and gives PSNR.
+* :func:`pictures_of` does both for one attack's outcome: its :class:`Pictures` go into the
+  reply's record (``results.records.build_record``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["GroundTruth", "InputView", "Score", "infer_image_shape", "score_images"]
+from fl_attack_flwr.intake.facts import ReplyFacts
+from fl_attack_flwr.jobs.outcome import AttackOutcome
 
 
 def infer_image_shape(n: int) -> tuple[int, int, int] | None:
@@ -186,3 +189,67 @@ def score_images(recon: np.ndarray, originals: torch.Tensor) -> Score:
     assert score.ssim is not None  # with_ssim
     return Score([float(v) for v in score.psnr], float(score.mean_psnr), score.perm.numpy(),
                  matched, [float(v) for v in score.ssim], float(score.ssim.mean()))
+
+
+@dataclass(frozen=True)
+class Pictures:
+    """A reconstruction as pictures; with ground truth, matched to the originals and scored."""
+
+    recon_images: np.ndarray | None = field(default=None, repr=False)
+    """``(B, C, H, W)`` in ``[0, 1]``, in the originals' order when they are known."""
+    original_images: np.ndarray | None = field(default=None, repr=False)
+    matching: np.ndarray | None = field(default=None, repr=False)
+    psnr: list[float] | None = None
+    psnr_mean: float | None = None
+    ssim: list[float] | None = None
+    ssim_mean: float | None = None
+    true_batch_size: int | None = None
+    note: str | None = None
+    """How the inputs were shown (not images; shape inferred)."""
+    estimated: np.ndarray | None = field(default=None, repr=False)
+    """Pictures estimated from features: ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
+    the reconstructed features (not reordered)."""
+    estimated_scale: str | None = None
+    """How :attr:`estimated` was brought into ``[0, 1]`` from the model's input space."""
+    error: str | None = None
+    """Why the pictures or the scores could not be made."""
+
+
+def pictures_of(outcome: AttackOutcome, facts: ReplyFacts, view: InputView,
+                truth: GroundTruth | None) -> Pictures:
+    """Pictures of a reconstruction; with ground truth, matched to the originals and scored.
+
+    Inputs of the model's own input layer are shown as they are; features of a later layer
+    are shown as the pictures estimated from them (``outcome.pixels``), or as a table of
+    numbers when there are none (features and photos do not compare, so they are not scored).
+    Never raises: what could not be shown or scored is the pictures' ``error``.
+    """
+    px = outcome.pixels
+    if facts.reads == "features" and (px is None or px.images is None):
+        rows = Pictures(note="No pictures: these are features, shown as numbers.")
+        return rows if px is None or px.error is None else Pictures(note=rows.note,
+                                                                    error=px.error)
+    flat = outcome.inputs if facts.reads != "features" else px.images.reshape(
+        px.images.shape[0], -1)
+    try:
+        images, inferred = view.images(flat)
+    except ValueError as exc:
+        return Pictures(error=f"pictures: {exc}")
+    if images is None:
+        return Pictures(note="The inputs are not images: the first reconstructed rows are "
+                             "shown as numbers.")
+    note = (f"Input shape {images.shape[1:]} inferred from the layer's {images[0].size} "
+            "inputs; pictures scaled per image.") if inferred else None
+    kept = {} if facts.reads != "features" else {"estimated": images,
+                                                  "estimated_scale": view.scale_words(inferred)}
+    if truth is None or not facts.sample_indices:
+        return Pictures(recon_images=images, note=note, **kept)
+    try:
+        originals = truth.images(facts.sample_indices)
+        score = score_images(images, originals)
+    except ValueError as exc:
+        return Pictures(recon_images=images, note=note, error=f"scoring failed: {exc}", **kept)
+    return Pictures(recon_images=score.matched, original_images=originals.numpy(),
+                    matching=score.matching, psnr=score.psnr, psnr_mean=score.psnr_mean,
+                    ssim=score.ssim, ssim_mean=score.ssim_mean,
+                    true_batch_size=int(originals.shape[0]), note=note, **kept)

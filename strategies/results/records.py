@@ -1,12 +1,15 @@
-"""What the audit keeps per client and round: :class:`ClientAudit`, built in one place.
+"""What the audit keeps per client and round: :class:`ClientAudit`, built in one place; and
+what the round's records add up to (its MetricRecord numbers, its log lines).
 
 Three facts make a record, each from the step that knows it:
 
-* :class:`ReplyFacts`: what the server read off the reply before any attack (who, which layer,
-  how many examples, the DP accounting the client reported, the audit-mode sample ids);
-* :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome`: what the attack (or the intake, for replies
-  it does not attack) concluded;
-* :class:`Pictures`: the reconstruction shown as images and, with ground truth, scored.
+* :class:`~fl_attack_flwr.intake.facts.ReplyFacts`: what the server read off the reply before
+  any attack (who, which layer, how many examples, the DP accounting the client reported, the
+  audit-mode sample ids);
+* :class:`~fl_attack_flwr.jobs.outcome.AttackOutcome`: what the attack (or the intake, for
+  replies it does not attack) concluded;
+* :class:`~fl_attack_flwr.results.pictures.Pictures`: the reconstruction shown as images and,
+  with ground truth, scored.
 
 :func:`build_record` combines them into the immutable :class:`ClientAudit` that the store
 writes, the report shows and the round's metrics count.
@@ -14,85 +17,19 @@ writes, the report shows and the round's metrics count.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fl_attack_flwr import verdicts
+from fl_attack_flwr.intake.facts import ReplyFacts, client_label
 from fl_attack_flwr.jobs.outcome import AttackOutcome
-from fl_attack_flwr.output.private_files import jsonable
+from fl_attack_flwr.results.pictures import GroundTruth, InputView, Pictures, pictures_of
 
-__all__ = ["ClientAudit", "Pictures", "ReplyFacts", "build_record", "client_label"]
-
-
-def client_label(partition_id: int | None, label: str | None, node_id: int) -> str:
-    """``client-<partition-id>``, else the label the strategy gave, else ``node-<node-id>``."""
-    if partition_id is not None:
-        return f"client-{partition_id}"
-    return label or f"node-{node_id}"
-
-
-@dataclass(frozen=True, eq=False)
-class ReplyFacts:
-    """What the server knows of one reply (or of the round's aggregate) before attacking it.
-
-    Compared and hashed by identity: each reply has its own facts, which the strategy uses as
-    the key of that reply's record.
-    """
-
-    server_round: int
-    node_id: int
-    label: str | None = None
-    partition_id: int | None = None
-    protocol: str | None = None
-    num_examples: int | None = None
-    epsilon: float | None = None
-    epsilon_cumulative: float | None = None
-    delta: float | None = None
-    noise_std: float | None = None
-    sample_indices: list[int] | None = None
-    layer: str | None = None
-    layer_shape: list[int] | None = None
-    inputs_are: str | None = None
-    """A note on what the reconstructed inputs are (features of a later layer, an aggregate)."""
-    guard: dict[str, Any] | None = None
-    """The client's own ``LeakGuard`` finding, when its reply carries one (:func:`guard_of`)."""
-    reads: str | None = None
-    """What a reconstruction is: ``"inputs"`` (the model's own inputs: the attacked layer is
-    the first) or ``"features"`` (a later layer's inputs)."""
-    passed_over: list[dict[str, str]] | None = None
-    """The linear layers before the attacked one that the attack does not cover, each with its
-    status (``not-covered``) and reason (``coverage.Passed.as_dict``)."""
-
-    @property
-    def client_label(self) -> str:
-        """The label records and logs name this reply by (see :func:`client_label`)."""
-        return client_label(self.partition_id, self.label, self.node_id)
-
-
-@dataclass(frozen=True)
-class Pictures:
-    """A reconstruction as pictures; with ground truth, matched to the originals and scored."""
-
-    recon_images: np.ndarray | None = field(default=None, repr=False)
-    """``(B, C, H, W)`` in ``[0, 1]``, in the originals' order when they are known."""
-    original_images: np.ndarray | None = field(default=None, repr=False)
-    matching: np.ndarray | None = field(default=None, repr=False)
-    psnr: list[float] | None = None
-    psnr_mean: float | None = None
-    ssim: list[float] | None = None
-    ssim_mean: float | None = None
-    true_batch_size: int | None = None
-    note: str | None = None
-    """How the inputs were shown (not images; shape inferred)."""
-    estimated: np.ndarray | None = field(default=None, repr=False)
-    """Pictures estimated from features: ``(B, C, H, W)`` in ``[0, 1]``, row i from row i of
-    the reconstructed features (not reordered)."""
-    estimated_scale: str | None = None
-    """How :attr:`estimated` was brought into ``[0, 1]`` from the model's input space."""
-    error: str | None = None
-    """Why the pictures or the scores could not be made."""
+log = logging.getLogger("flwr")
 
 
 @dataclass(frozen=True)
@@ -113,6 +50,10 @@ class ClientAudit:
     status: str = verdicts.PENDING
     reason: str | None = None
     error: str | None = None
+    protected_by: str | None = None
+    """For ``protected``: ``"full-rank"`` (the update mixes more samples than the layer
+    separates) or ``"no-signal"`` (noise hides every sample), as
+    ``fl_attack.errors.NotIdentifiable.reason`` says it."""
     protocol: str | None = None
     reading: str | None = None
     layer: str | None = None
@@ -170,9 +111,11 @@ class ClientAudit:
         return self.status in verdicts.RECONSTRUCTED
 
     def metrics(self) -> dict[str, Any]:
-        """The JSON-safe line of ``metrics.jsonl`` (no arrays, no sample indices)."""
+        """The line of ``metrics.jsonl`` (no arrays, no sample indices; the store writes it
+        as strict JSON)."""
         keys = (
-            "server_round", "partition_id", "node_id", "status", "reason", "error", "protocol",
+            "server_round", "partition_id", "node_id", "status", "reason", "error",
+            "protected_by", "protocol",
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "ran_on", "reads", "psnr_mean", "psnr", "ssim_mean", "ssim", "pixels", "epsilon",
@@ -180,7 +123,7 @@ class ClientAudit:
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
-        return jsonable(line)
+        return line
 
 
 def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | None:
@@ -203,6 +146,16 @@ def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | Non
     return facts
 
 
+def record_of(facts: ReplyFacts, outcome: AttackOutcome, view: InputView,
+              truth: GroundTruth | None) -> ClientAudit:
+    """The record of one reply: a reconstruction's pictures (scored against ``truth`` in audit
+    mode, :func:`~fl_attack_flwr.results.pictures.pictures_of`), then :func:`build_record`."""
+    pictures = None
+    if outcome.reconstructed and outcome.inputs is not None:
+        pictures = pictures_of(outcome, facts, view, truth)
+    return build_record(facts, outcome, pictures)
+
+
 def build_record(facts: ReplyFacts, outcome: AttackOutcome,
                  pictures: Pictures | None = None) -> ClientAudit:
     """The record of one reply: its facts, its outcome and, for reconstructions, its pictures.
@@ -211,28 +164,86 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
     the facts' note on what the inputs are comes before the pictures' note.
     """
     pics = pictures or Pictures()
-    summary = dict(outcome.summary) if outcome.summary is not None else None
+    found = dict(outcome.reconstruction) if outcome.reconstruction is not None else None
 
-    def from_summary(key: str, kind: type) -> Any:
-        value = outcome.summary_value(key)
+    def from_reconstruction(key: str, kind: type) -> Any:
+        value = outcome.reconstruction_field(key)
         return None if value is None else kind(value)
 
     return ClientAudit(
         server_round=facts.server_round, node_id=facts.node_id,
         partition_id=facts.partition_id, label=facts.label, status=outcome.status,
-        reason=outcome.reason, error=pics.error or outcome.error, protocol=facts.protocol,
+        reason=outcome.reason, error=pics.error or outcome.error,
+        protected_by=outcome.protected_by, protocol=facts.protocol,
         reading=outcome.reading, layer=facts.layer, layer_shape=facts.layer_shape,
         inputs_are=facts.inputs_are or pics.note, num_examples=facts.num_examples,
-        batch_size=from_summary("batch_size", int), true_batch_size=pics.true_batch_size,
-        sparsity_match=from_summary("sparsity_match", float),
-        exact=from_summary("exact", bool), n_directions=from_summary("n_directions", int),
+        batch_size=from_reconstruction("batch_size", int), true_batch_size=pics.true_batch_size,
+        sparsity_match=from_reconstruction("sparsity_match", float),
+        exact=from_reconstruction("exact", bool),
+        n_directions=from_reconstruction("n_directions", int),
         attack_seconds=outcome.seconds, ran_on=outcome.ran_on, psnr=pics.psnr,
         psnr_mean=pics.psnr_mean, ssim=pics.ssim, ssim_mean=pics.ssim_mean, reads=facts.reads,
         pixels=_pixel_facts(outcome, pics), passed_over=facts.passed_over,
         epsilon=facts.epsilon, epsilon_cumulative=facts.epsilon_cumulative,
-        delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=summary,
+        delta=facts.delta, noise_std=facts.noise_std, guard=facts.guard, attack=found,
         sample_indices=facts.sample_indices, inputs=outcome.inputs,
         recon_images=pics.recon_images, original_images=pics.original_images,
         matching=pics.matching, pixel_images=pics.estimated,
         pixel_inputs=None if pics.estimated is None else outcome.pixels.images,
     )
+
+
+def round_metrics(records: list[ClientAudit], seconds: float) -> dict[str, float]:
+    """The audit's numbers for a round's MetricRecord (numbers only, as Flower requires)."""
+    done = [r for r in records if r.reconstructed]
+
+    def n(*statuses: str) -> int:
+        return sum(1 for r in records if r.status in statuses)
+
+    stats: dict[str, float] = {
+        "audit-replies": len(records),
+        "audit-reconstructions": len(done),
+        "audit-certified": n(verdicts.CERTIFIED),
+        "audit-protected": n(verdicts.PROTECTED),
+        "audit-refused": n(verdicts.REFUSED),
+        "audit-skipped": n(verdicts.SKIPPED),
+        "audit-failures": n(*verdicts.ERRORS),
+        "audit-corrupt": n(verdicts.CORRUPT),
+        "audit-client-errors": n(verdicts.CLIENT_ERROR),
+        "audit-attack-seconds": float(sum(r.attack_seconds or 0.0 for r in records)),
+        "audit-seconds": float(seconds),
+    }
+    if seconds > 0 and stats["audit-attack-seconds"] > 0:
+        attacked = len(done) + n(verdicts.PROTECTED, *verdicts.ERRORS)
+        stats["audit-attacks-per-minute"] = 60.0 * attacked / seconds
+    lams = [r.sparsity_match for r in done if r.sparsity_match is not None]
+    if lams:
+        stats["audit-lambda-mean"] = float(np.mean(lams))
+    psnrs = [r.psnr_mean for r in done if r.psnr_mean is not None and math.isfinite(r.psnr_mean)]
+    if psnrs:
+        stats["audit-psnr-mean"] = float(np.mean(psnrs))
+    return stats
+
+
+def log_record(record: ClientAudit) -> None:
+    """One line per finished record (round, client, status, λ, PSNR, seconds, why)."""
+    lam = "" if record.sparsity_match is None else f", λ={record.sparsity_match:.4f}"
+    psnr = "" if record.psnr_mean is None else f", PSNR {record.psnr_mean:.1f} dB"
+    if record.reads == "features" and record.reconstructed:
+        lam = f" ({str(record.layer).removesuffix('.weight')} input features){lam}"
+        psnr = psnr and f", pictures estimated: PSNR {record.psnr_mean:.1f} dB"
+    secs = "" if record.attack_seconds is None else f", {record.attack_seconds:.1f}s"
+    why = record.reason or record.error
+    level = (logging.WARNING if record.status in (*verdicts.ERRORS, verdicts.CORRUPT)
+             else logging.INFO)
+    log.log(level, "[audit] round %d, %s: %s%s%s%s%s", record.server_round, record.client_label,
+            record.status, lam, psnr, secs, f" ({why})" if why else "")
+
+
+def log_round(server_round: int, stats: dict[str, float], queued: int) -> None:
+    """One line per round: what the audit found, its throughput and what is still queued."""
+    log.info("[audit] round %d: %d replies, %d certified, %d reconstructed, %d protected, "
+             "%d without answer; %.1f attacks/min, %d still queued", server_round,
+             int(stats["audit-replies"]), int(stats["audit-certified"]),
+             int(stats["audit-reconstructions"]), int(stats["audit-protected"]),
+             int(stats["audit-failures"]), stats.get("audit-attacks-per-minute", 0.0), queued)
