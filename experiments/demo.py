@@ -7,7 +7,7 @@ processes) and scores the reconstructions against the clients' true batches (aud
 runs on Flower's simulation engine (Ray) in-process via ``flwr.simulation.run_simulation``: no
 SuperLink, no ports, nothing left running afterwards, and it works offline.
 ``run_simulation`` passes an empty run config, so the configuration travels in
-``$FL_ATTACK_RUN_CONFIG`` (see ``strategies/run_config.py``).
+``$FL_ATTACK_RUN_CONFIG`` (see ``strategies/app/run_config.py``).
 
     .venv/bin/python -m experiments.demo                      # the default demo
     .venv/bin/python -m experiments.demo --set dataset=mnist --set protocol=fedavg
