@@ -50,7 +50,6 @@ from fl_attack_flwr.intake.reply import (
     aggregate_intake,
     reply_intake,
     sample_replies,
-    strip_ground_truth,
 )
 from fl_attack_flwr.jobs.model_plan import ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
@@ -222,7 +221,6 @@ class AuditingStrategy(EvaluationLog):
             facts, work = reply_intake(ctx, reply, self._label(node), chosen.get(i))
             if not (isinstance(work, AttackOutcome) and work.status == verdicts.CORRUPT):
                 keep.append(reply)
-            strip_ground_truth(reply)
             replied.append((facts, work))
             self._submit(facts, work, futures)
         facts_of_round = [facts for facts, _ in replied]

@@ -71,7 +71,18 @@ def sample_replies(settings: AttackSettings, rng: random.Random, server_round: i
 
 def reply_intake(ctx: Intake, reply: Message, label: str,
                  skip: str | None) -> tuple[ReplyFacts, Work]:
-    """The reply's facts and its work (``skip``: why the sampling leaves it out, or ``None``)."""
+    """The reply's facts and its work (``skip``: why the sampling leaves it out, or ``None``).
+
+    The audit-only sample indices are read, then taken out of the reply: the wrapped strategy
+    never sees them.
+    """
+    facts, work = _read(ctx, reply, label, skip)
+    _strip_ground_truth(reply)
+    return facts, work
+
+
+def _read(ctx: Intake, reply: Message, label: str,
+          skip: str | None) -> tuple[ReplyFacts, Work]:
     node = int(reply.metadata.src_node_id)
     facts = ReplyFacts(ctx.server_round, node, label=label, protocol=ctx.protocol)
     if reply.has_error():
@@ -111,7 +122,7 @@ def aggregate_intake(ctx: Intake, clients: list[ReplyFacts],
     return _with_job(ctx, facts, sent, aggregated)
 
 
-def strip_ground_truth(reply: Message) -> None:
+def _strip_ground_truth(reply: Message) -> None:
     """Remove the audit-only sample indices before the wrapped strategy sees the reply."""
     info = client_info(reply)
     if info is not None and wire.SAMPLE_INDICES_KEY in info:
