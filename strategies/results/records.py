@@ -11,7 +11,8 @@ Three facts make a record, each from the step that knows it:
 * :class:`~fl_attack_flwr.results.pictures.Pictures`: the reconstruction shown as images and,
   with ground truth, scored.
 
-:func:`build_record` combines them into the immutable :class:`ClientAudit` that the store
+:func:`record_of` (what the strategy calls for each finished attack) makes the pictures and
+:func:`build_record` combines the three into the immutable :class:`ClientAudit` that the store
 writes, the report shows and the round's metrics count.
 """
 
