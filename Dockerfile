@@ -2,7 +2,7 @@
 #   * server side: runs the audited ServerApp (AuditingStrategy + the SPEAR++ attack);
 #   * client side: runs the ClientApp (FedSGD / FedAvg / Opacus DP-SGD).
 # Each run's app code arrives with the run (the FAB that `flwr run` ships), but its components
-# (`fl_attack_flwr.server_app:app`, `fl_attack_flwr.clients.client_app:app`) and the libraries
+# (`fl_attack_flwr.app.server_app:app`, `fl_attack_flwr.clients.client_app:app`) and the libraries
 # they import are resolved in this image: the project is installed here (not editable).
 #
 # Two ways to build it (docs/deployment.md):
@@ -52,7 +52,7 @@ RUN set -eu; \
     if [ -n "$WHEELHOUSE_URL" ]; then set -- --no-index --find-links "$WHEELHOUSE_URL"; fi; \
     python -m pip install --no-cache-dir --disable-pip-version-check --no-deps "$@" /tmp/fl-attack \
  && rm -rf /tmp/fl-attack \
- && python -c "import fl_attack, fl_attack_flwr.server_app, fl_attack_flwr.clients.client_app"
+ && python -c "import fl_attack, fl_attack_flwr.app.server_app, fl_attack_flwr.clients.client_app"
 
 # Never install app dependencies at run time (offline clusters; reproducibility).
 ENV FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \

@@ -51,9 +51,9 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from fl_attack_flwr.clients.defaults import CLIENT_DEFAULTS, parse_faults
 from fl_attack_flwr.clients.partition import client_batch, eval_split, partition
-from fl_attack_flwr.protocol import (
-    CLIENT_DEFAULTS,
+from fl_attack_flwr.wire import (
     CLIENT_INFO_KEY,
     DELTA_KEY,
     EPSILON_CUMULATIVE_KEY,
@@ -62,10 +62,7 @@ from fl_attack_flwr.protocol import (
     NUM_EXAMPLES_KEY,
     PARTITION_ID_KEY,
     SAMPLE_INDICES_KEY,
-    parse_faults,
 )
-
-__all__ = ["app", "client_config"]
 
 NUM_CLASSES = 10
 

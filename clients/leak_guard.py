@@ -2,15 +2,16 @@
 
 After the client's training (``call_next``), the guard forms the update the server would attack
 from the arrays the client received and the arrays it is about to send: the same layer choice
-and the same readings (one gradient step, then a sum of local steps) as the auditing server
-(:mod:`fl_attack_flwr.replies`), and runs the same exact attack (SPEAR++) in the client's
-process under its own time budget. The attack's certificate (λ = 1 with all B directions and no
-noise) *proves* from the update alone that the batch is readable exactly; the guard acts on
-that proof only:
+and the same readings (one gradient step, then a sum of local steps) as the auditing server,
+and runs the same exact attack (SPEAR++) in the client's process under its own time budget. The
+job code is the server's own (:mod:`fl_attack_flwr.jobs`: ``build.attack_job``,
+``run.run_job``); the guard adds only the reading of its reply and the policy. The attack's
+certificate (λ = 1 with all B directions and no noise) *proves* from the update alone that the
+batch is readable exactly; the guard acts on that proof only:
 
 ``report`` (default)
     the reply goes out unchanged, with the guard's finding in its MetricRecord
-    (``protocol.GUARD_KEYS``; the status as a code of ``protocol.GUARD_CODES``);
+    (``wire.GUARD_KEYS``; the status as a code of ``wire.GUARD_CODES``);
 ``refuse``
     an update proven readable (certified, or samples verified one by one through the next
     layer) is withheld: the reply carries the arrays the client received, i.e. no update, with
@@ -35,7 +36,6 @@ whether the update it checked carries noise (the attack's own noise test).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -44,17 +44,14 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 
-from fl_attack_flwr import verdicts
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.protocol import GUARD_CODES, GUARD_KEYS, NUM_EXAMPLES_KEY
+from fl_attack_flwr import verdicts, wire
+from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.settings import AttackSettings
-
-__all__ = ["POLICIES", "GuardFinding", "LeakGuard"]
 
 log = logging.getLogger("flwr")
 
 POLICIES = ("report", "refuse", "escalate")
-_CODE_OF = {word: code for code, word in GUARD_CODES.items()}
+_CODE_OF = {word: code for code, word in wire.GUARD_CODES.items()}
 _LOCAL_DP_KEYS = ("clipping_norm", "sensitivity", "epsilon", "delta")
 
 
@@ -63,7 +60,7 @@ class GuardFinding:
     """What the guard's check of one update found."""
 
     status: str
-    """The plugin's status word (a value of ``protocol.GUARD_CODES``)."""
+    """The plugin's status word (a value of ``wire.GUARD_CODES``)."""
     readable_samples: int = 0
     """Samples the check *proves* readable: B when certified, else those verified one by one."""
     sparsity_match: float | None = None
@@ -86,7 +83,7 @@ class GuardFinding:
                   self.readable_samples,
                   -1.0 if self.sparsity_match is None else float(self.sparsity_match),
                   float(self.seconds))
-        return dict(zip(GUARD_KEYS, values, strict=True))
+        return dict(zip(wire.GUARD_KEYS, values, strict=True))
 
 
 class LeakGuard:
@@ -134,7 +131,7 @@ class LeakGuard:
                  on_unknown: str = "send", weight_key: str | None = None,
                  bias_key: str | None = None, update: str = "auto", next_layer: bool = True,
                  local_dp: Mapping[str, float] | None = None,
-                 weighted_by_key: str = NUM_EXAMPLES_KEY, refused_weight: float = 1e-9,
+                 weighted_by_key: str = wire.NUM_EXAMPLES_KEY, refused_weight: float = 1e-9,
                  seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown LeakGuard policy {policy!r}; choose one of {POLICIES}")
@@ -220,51 +217,31 @@ def _is_train(msg: Message) -> bool:
 def _attack(sent: Mapping[str, np.ndarray], reply: Message,
             settings: AttackSettings) -> AttackOutcome:
     """The server's attack on ``sent -> reply``, run in this process, on the layer the server
-    would attack (the first the attack covers: ``coverage.scan_layers``)."""
-    from fl_attack_flwr.coverage import passed_words, scan_layers
-    from fl_attack_flwr.replies import build_job
-    from fl_attack_flwr.running import run_job
+    would attack (the first the attack covers), at the batch size the reply reports."""
+    from fl_attack_flwr.jobs.build import attack_job
+    from fl_attack_flwr.jobs.run import run_job
 
     if len(reply.content.array_records) != 1:
         raise ValueError(f"the reply holds {len(reply.content.array_records)} ArrayRecords, "
                          "not one")
     back = {k: v.numpy() for k, v in next(iter(reply.content.array_records.values())).items()}
-    state = dict(sent)
-    try:
-        layer, passed = scan_layers(state, back, settings)
-        if layer is None:
-            return AttackOutcome(verdicts.NOT_COVERED, reason=passed_words(
-                passed, settings.weight_key is not None))
-        job = build_job(0, 0, "leak-guard", state, back, layer, settings)
-    except ValueError as exc:
-        if "identically zero" in str(exc):
-            return AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
-        raise
-    return run_job(dataclasses.replace(job, num_examples=_examples(reply)))
-
-
-def _examples(reply: Message) -> int | None:
-    """The samples the reply says the client trained on (``num-examples``), as the server
-    reads them."""
-    for record in reply.content.metric_records.values():
-        value = record.get(NUM_EXAMPLES_KEY)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:
-            return int(value)
-    return None
+    _, work = attack_job(dict(sent), back, settings, label="leak-guard",
+                         num_examples=wire.num_examples(reply) or None)
+    return work if isinstance(work, AttackOutcome) else run_job(work)
 
 
 def _finding(outcome: AttackOutcome, seconds: float) -> GuardFinding:
     """The guard's finding from the attack's outcome."""
     status = outcome.status
-    exhausted = bool(outcome.summary_value("budget_exhausted"))
+    exhausted = bool(outcome.reconstruction_field("budget_exhausted"))
     if status in verdicts.RECONSTRUCTED and status != verdicts.CERTIFIED and exhausted:
         status = "timeout"
     if status not in _CODE_OF:
         status = verdicts.ATTACK_ERROR
-    batch = int(outcome.summary_value("batch_size") or 0)
-    peeled = int(outcome.summary_value("peeled") or 0)
+    batch = int(outcome.reconstruction_field("batch_size") or 0)
+    peeled = int(outcome.reconstruction_field("peeled") or 0)
     readable = batch if outcome.status == verdicts.CERTIFIED else peeled
-    lam = outcome.summary_value("sparsity_match")
+    lam = outcome.reconstruction_field("sparsity_match")
     return GuardFinding(status, readable, None if lam is None else float(lam), seconds,
                         outcome.reason or outcome.error)
 

@@ -14,9 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PARTITIONINGS", "client_batch", "dirichlet_partition", "eval_split", "iid_partition",
-           "partition"]
-
 PARTITIONINGS: tuple[str, ...] = ("iid", "dirichlet")
 
 

@@ -147,7 +147,7 @@ _RUN = textwrap.dedent("""
 
 def run_case(case: str, out: Path) -> list[dict[str, Any]]:
     """Run one case's simulation; its metrics lines."""
-    from fl_attack_flwr.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     path = os.pathsep.join([str(QUICKSTART), str(harness.ROOT)])
     env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}

@@ -34,7 +34,7 @@ READABLE_DB = 25.0
 
 def sweep_row(noise: float, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """One row of the sweep: privacy spent, accuracy, and what the server read."""
-    from fl_attack_flwr.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     lines = records_from_jsonl(run_dir / "metrics.jsonl")
     samples = [p for ln in lines for p in (ln.get("psnr") or [])]
@@ -101,7 +101,7 @@ def plot_png(rows: list[dict[str, Any]]) -> bytes:
 
 def render(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
     """The sweep's HTML report: what each noise level buys, in one table and one plot."""
-    from fl_attack_flwr.report import fmt, html_table, inline_png
+    from fl_attack_flwr.output.report import fmt, html_table, inline_png
 
     def pct(v: float | None) -> str:
         return "–" if v is None else f"{100 * v:.0f}%"
@@ -146,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=str(ROOT / "runs"))
     args = parser.parse_args(argv)
-    from fl_attack_flwr.run_config import RunConfigError
-    from fl_attack_flwr.store import atomic_write_bytes, jsonable, make_private_dir
+    from fl_attack_flwr.app.run_config import RunConfigError
+    from fl_attack_flwr.output.private_files import (
+        atomic_write_bytes,
+        jsonable,
+        make_private_dir,
+    )
 
     try:
         levels = [float(v) for v in args.noise.split(",") if v.strip()]

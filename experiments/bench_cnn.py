@@ -44,8 +44,8 @@ import torch
 import fl_attack
 from experiments import harness
 from fl_attack.errors import NotIdentifiable
+from fl_attack.model.split import feature_extractor
 from fl_attack.pixels import PixelConfig, feature_gradients, invert_features
-from fl_attack.split import feature_extractor
 from fl_attack.testbed import baselines, cnn, data, metrics
 
 MODULE = "experiments.bench_cnn"

@@ -54,7 +54,7 @@ from experiments.update_attack import (
     summarize,
     verdict,
 )
-from fl_attack import updates
+from fl_attack.model import updates
 from fl_attack.testbed import data, dpsgd, metrics, models, simulate
 
 MODULE = "experiments.bench_dp"
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "B-th singular value of the clean clipped mean gradient over σ(√m + √n), the edge of "
         "the noise's singular values (the attack counts the values above 2 x that edge and, "
         "when more lie above 1.1 x the edge, attacks both readings and keeps the one that "
-        "explains the update best, `fl_attack.readings`); DP engine (`opacus`: "
+        "explains the update best, `fl_attack.steps.batch_size`); DP engine (`opacus`: "
         "`simulate.local_update`, Opacus per-sample gradients; `ghost`: Opacus ghost clipping, "
         "the same update without per-sample gradients in memory, used where those would exceed "
         "2 GiB); seconds of `invert` per batch (median, max, mean; and the median CPU seconds of "

@@ -39,7 +39,7 @@ from experiments.update_attack import (
     summarize,
     verdict,
 )
-from fl_attack import updates
+from fl_attack.model import updates
 from fl_attack.testbed import data, models, simulate
 
 MODULE = "experiments.bench_fedavg"

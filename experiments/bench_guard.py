@@ -182,7 +182,7 @@ def client_round(setting: Setting, seed: int, guard: Any) -> dict[str, Any]:
     """
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-    from fl_attack_flwr.protocol import GUARD_CODES
+    from fl_attack_flwr.wire import GUARD_CODES
 
     model, x, y = setting.make(seed)
     received = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -3,7 +3,7 @@
 A hidden layer of a ReLU MLP sits between two ReLUs, so both factors of its weight gradient
 ``G = Σ_i g_i x_iᵀ`` are sparse: the output gradients g_i = ∂L/∂z_i (``sparse="output"``, the
 SPEAR(++) attack) and the inputs x_i, which are the previous ReLU's outputs (``sparse="input"``,
-:mod:`fl_attack.input_layer`). ``"auto"`` tries the output side and, if it is not certified, the
+:mod:`fl_attack.solver.input_side`). ``"auto"`` tries the output side and, if it is not certified, the
 input side. The first layer sees normalised pixels (dense, signed): only the output side applies.
 
 Protocol: real CIFAR-shaped photo crops (``data.sample_batch("photos32", B, seed=s)``), one

@@ -43,7 +43,7 @@ from torch import nn
 
 import fl_attack
 from experiments import harness, training_stats
-from fl_attack import updates
+from fl_attack.model import updates
 from fl_attack.testbed import data, metrics, models, simulate
 
 MODULE = "experiments.bench_training"

@@ -109,7 +109,7 @@ def client_app(defences: Iterable[Defence]) -> ClientApp:
 
 def row_config(base: dict[str, Any], defence: Defence) -> dict[str, Any]:
     """The checked run config of one row (``RunConfigError`` names a bad key)."""
-    from fl_attack_flwr.run_config import DEFAULT_RUN_CONFIG, check_run_config
+    from fl_attack_flwr.app.run_config import DEFAULT_RUN_CONFIG, check_run_config
 
     return check_run_config({**DEFAULT_RUN_CONFIG, **base, **defence.config,
                              "run-name": defence.key})
@@ -117,9 +117,9 @@ def row_config(base: dict[str, Any], defence: Defence) -> dict[str, Any]:
 
 def _strategy(defence: Defence, cfg: dict[str, Any], store: Any) -> Any:
     """FedAvg in the row's DP wrapper, its train action and the audit (outermost)."""
+    from fl_attack_flwr.app.run_config import attack_settings
     from fl_attack_flwr.audit import AuditingStrategy
-    from fl_attack_flwr.run_config import attack_settings
-    from fl_attack_flwr.scoring import GroundTruth
+    from fl_attack_flwr.results.pictures import GroundTruth
 
     n = int(cfg["num-clients"])
     inner: Strategy = FedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
@@ -139,8 +139,9 @@ def _strategy(defence: Defence, cfg: dict[str, Any], store: Any) -> Any:
 def run_row(grid: Grid, context: Context, defence: Defence, cfg: dict[str, Any]) -> None:
     """Run one row's federation to the end and write its summary (never raises: a failed
     row is recorded as failed and the matrix goes on)."""
-    from fl_attack_flwr.server_app import client_config_record, initial_arrays, wait_for_nodes
-    from fl_attack_flwr.store import AuditStore, atomic_write_bytes
+    from fl_attack_flwr.app.server_app import client_config_record, initial_arrays, wait_for_nodes
+    from fl_attack_flwr.output.private_files import atomic_write_bytes
+    from fl_attack_flwr.output.store import AuditStore
 
     wait_for_nodes(grid, int(cfg["num-clients"]), float(cfg["node-wait"]))
     store = AuditStore(Path(str(cfg["output-dir"])), defence.key, config=cfg)

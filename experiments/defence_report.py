@@ -21,11 +21,12 @@ from typing import Any
 
 from experiments import harness
 from experiments.defence_variants import Defence, claimed_epsilon
-from fl_attack_flwr import report, verdicts
-from fl_attack_flwr.report import fmt
+from fl_attack_flwr import verdicts
+from fl_attack_flwr.output import report
+from fl_attack_flwr.output.private_files import records_from_jsonl
+from fl_attack_flwr.output.report import fmt
+from fl_attack_flwr.output.summary import EXACT_DB, READABLE_DB
 from fl_attack_flwr.settings import RoundFilter
-from fl_attack_flwr.store import records_from_jsonl
-from fl_attack_flwr.summary import EXACT_DB, READABLE_DB
 
 __all__ = ["collect", "markdown_table", "plot_png", "render_html", "sentence"]
 

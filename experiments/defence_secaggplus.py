@@ -143,7 +143,7 @@ class AuditedSecAggPlusFedAvg(LegacyFedAvg):
     """
 
     def __init__(self, audit: Any, grid: Grid, cfg: dict[str, Any]) -> None:
-        from fl_attack_flwr.server_app import client_config_record, initial_arrays
+        from fl_attack_flwr.app.server_app import client_config_record, initial_arrays
 
         n = int(cfg["num-clients"])
         self.audit, self.grid, self.names = audit, grid, _names(cfg)
@@ -212,9 +212,9 @@ def run_secaggplus(grid: Grid, context: Context, defence: Defence, cfg: dict[str
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
     from flwr.serverapp.strategy import FedAvg
 
+    from fl_attack_flwr.app.run_config import attack_settings
     from fl_attack_flwr.audit import AuditingStrategy
-    from fl_attack_flwr.run_config import attack_settings
-    from fl_attack_flwr.scoring import GroundTruth
+    from fl_attack_flwr.results.pictures import GroundTruth
 
     n = int(cfg["num-clients"])
     audit = AuditingStrategy(

@@ -79,7 +79,7 @@ class Defence:
     label : str
         How the report names it.
     config : dict
-        Run-config overrides (``fl_attack_flwr.run_config``) for this row.
+        Run-config overrides (``fl_attack_flwr.app.run_config``) for this row.
     central : (noise multiplier, clipping norm), optional
         Flower's central-DP wrapper (``family`` says on which side clipping happens).
     local_dp : (clipping norm, sensitivity, ε, δ), optional

@@ -133,7 +133,7 @@ def run_header(args: argparse.Namespace, size: Size, seconds: float) -> str:
 def write_results(rows: list[dict[str, Any]], header: str, md: Path, html: Path) -> None:
     """Append a section to ``md`` (created with its title and intro) and write the HTML page."""
     from experiments.defence_report import baseline_accuracy, markdown_table, render_html, sentence
-    from fl_attack_flwr.store import atomic_write_bytes
+    from fl_attack_flwr.output.private_files import atomic_write_bytes
 
     base = baseline_accuracy(rows)
     harness.start_section(md, TITLE, INTRO, [

@@ -7,7 +7,7 @@ processes) and scores the reconstructions against the clients' true batches (aud
 runs on Flower's simulation engine (Ray) in-process via ``flwr.simulation.run_simulation``: no
 SuperLink, no ports, nothing left running afterwards, and it works offline.
 ``run_simulation`` passes an empty run config, so the configuration travels in
-``$FL_ATTACK_RUN_CONFIG`` (see ``strategies/run_config.py``).
+``$FL_ATTACK_RUN_CONFIG`` (see ``strategies/app/run_config.py``).
 
     .venv/bin/python -m experiments.demo                      # the default demo
     .venv/bin/python -m experiments.demo --set dataset=mnist --set protocol=fedavg
@@ -55,7 +55,7 @@ DEMO_CONFIG: dict[str, Any] = {
 
 def checked_config(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` over the defaults, checked (``RunConfigError`` names every bad key)."""
-    from fl_attack_flwr.run_config import CONFIG_ENV, check_run_config, resolve_run_config
+    from fl_attack_flwr.app.run_config import CONFIG_ENV, check_run_config, resolve_run_config
 
     saved = os.environ.get(CONFIG_ENV)
     os.environ[CONFIG_ENV] = json.dumps(config)
@@ -72,17 +72,17 @@ def simulate(config: dict[str, Any], *, num_supernodes: int | None = None,
              num_cpus: int | None = None, verbose: bool = False) -> dict[str, Any]:
     """Run one audited simulation in this process and return its ``summary.json``.
 
-    ``config`` overrides :data:`fl_attack_flwr.run_config.DEFAULT_RUN_CONFIG`; it is checked
+    ``config`` overrides :data:`fl_attack_flwr.app.run_config.DEFAULT_RUN_CONFIG`; it is checked
     first (``RunConfigError``). A ``run-name`` is generated when missing so that the summary
     can be found afterwards.
     """
     from flwr.simulation import run_simulation
 
+    from fl_attack_flwr.app.run_config import CONFIG_ENV
+    from fl_attack_flwr.app.server_app import app as server_app
     from fl_attack_flwr.clients.client_app import app as client_app
-    from fl_attack_flwr.gate import PrivacyGateError
-    from fl_attack_flwr.run_config import CONFIG_ENV
-    from fl_attack_flwr.server_app import app as server_app
-    from fl_attack_flwr.store import new_run_name
+    from fl_attack_flwr.output.privacy_gate import PrivacyGateError
+    from fl_attack_flwr.output.store import new_run_name
 
     cfg = dict(config)
     cfg.setdefault("run-name", new_run_name())
@@ -113,7 +113,7 @@ def _print_summary(summary: dict[str, Any], seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from fl_attack_flwr.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     console = Console()
     table = Table(title=f"Privacy audit {summary['run_name']} ({seconds:.0f} s)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = {**DEMO_CONFIG,
               **harness.parse_assignments(parser, args.set, "--set", metavar="KEY=VALUE")}
-    from fl_attack_flwr.run_config import RunConfigError
+    from fl_attack_flwr.app.run_config import RunConfigError
 
     if args.quiet or args.json:
         quiet_logging()
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_summary(summary, time.time() - t0)
     if summary.get("status") != "completed":
         return 1
-    from fl_attack_flwr.gate import gate_failure
+    from fl_attack_flwr.output.privacy_gate import gate_failure
 
     failure = gate_failure(summary, str(config.get("fail-on", "")))
     if failure is not None:

@@ -95,7 +95,7 @@ def timings(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _metrics(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
-    from fl_attack_flwr.store import records_from_jsonl
+    from fl_attack_flwr.output.private_files import records_from_jsonl
 
     return records_from_jsonl(Path(summary["run_dir"]) / "metrics.jsonl")
 
@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--note", default="", help="said in the header (e.g. machine load)")
     harness.add_out(parser, OUT)
     args = parser.parse_args(argv)
-    from fl_attack_flwr.run_config import RunConfigError
-    from fl_attack_flwr.store import make_private_dir, new_run_name
+    from fl_attack_flwr.app.run_config import RunConfigError
+    from fl_attack_flwr.output.private_files import make_private_dir
+    from fl_attack_flwr.output.store import new_run_name
 
     config = {**LEARNING_CONFIG, "num-server-rounds": args.rounds,
               **harness.parse_assignments(parser, args.set, "--set", metavar="KEY=VALUE")}

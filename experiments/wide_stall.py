@@ -9,8 +9,8 @@ columns it found: each true column is matched to the columns the search returned
 their nearest neighbour in the batch (the largest Jaccard overlap of two samples' sets of
 inactive units).
 
-The search's columns are read by wrapping ``fl_attack.loop.search`` for the run (the attack is
-not changed). Appends a section to ``experiments/results/core.md`` (``--out`` to write
+The search's columns are read by wrapping ``fl_attack.solver.loop.search`` for the run (the
+attack is not changed). Appends a section to ``experiments/results/core.md`` (``--out`` to write
 elsewhere).
 
     python -m experiments.wide_stall --datasets photos32,mixed32 --first-seed 110 --batches 1
@@ -31,7 +31,7 @@ import torch
 import fl_attack
 from experiments import harness
 from experiments.bench_core import INTRO, RESULTS
-from fl_attack import loop
+from fl_attack.solver import loop
 from fl_attack.testbed import data, metrics, models, photos
 
 MODULE = "experiments.wide_stall"

@@ -1,25 +1,29 @@
 """fl_attack: exact gradient inversion of ReLU layers (SPEAR, SPEAR++), torch + numpy only.
 
-The one-call entry point is :func:`invert`; each step of the attack lives in its own module
-(``decompose`` -> ``rounds`` (``search``, ``sampling``, ``polish``, ``faces``) -> ``pool`` ->
-``certify`` (``match``, ``feasibility``) -> ``rounds.complete`` (``completion``) -> ``select``
--> ``scale``), driven by ``loop``; ``docs/algorithm.md`` walks through the pipeline with the
-papers' section numbers.
+The one-call entry point is :func:`invert` (``attack``), with its options (``config``), the
+checks of its arguments (``validation``), its result (``result``) and the errors that say why an
+update cannot be inverted (``errors``). Behind it:
 
-Where the attacked layer is not the model's first (a CNN's ``fc1``), the recovered inputs are
-features; :mod:`fl_attack.split` cuts a model at the attacked layer and :mod:`fl_attack.pixels`
-estimates the pictures behind the features (SPEAR §6.4).
+=========================  ====================================================================
+``fl_attack.steps``        the papers' steps, one module each (decompose, search, polish, ...)
+``fl_attack.solver``       the search that runs the steps: rounds, stop rule, certificate, and
+                           the output side, the input side and ``sparse="auto"``
+``fl_attack.core``         what steps and solver share: the time budget, the tuning constants,
+                           column and kernel algebra
+``fl_attack.model``        state dicts and models around the attacked layer: the update pair
+                           ``W0 - W_E``, the forward pass up to the layer
+``fl_attack.pixels``       pictures behind a later layer's exact input features (SPEAR §6.4)
+``fl_attack.testbed``      data, models, local training and scores for experiments and tests
+                           (the attack never imports it)
+=========================  ====================================================================
 
-The simulation and evaluation toolkit (data, models, local training, scores) lives in
-:mod:`fl_attack.testbed`; its old names (``fl_attack.data``, ``fl_attack.models``, ...) still
-import, with a ``DeprecationWarning`` (:mod:`fl_attack._moved`).
+``docs/algorithm.md`` walks through the pipeline step by step with the papers' section numbers
+and the module of each step.
 """
 
-from fl_attack._moved import install as _install_moved
-from fl_attack.attack import Reconstruction, invert
+from fl_attack.attack import invert
 from fl_attack.config import AttackConfig
+from fl_attack.result import Reconstruction
 
 __all__ = ["AttackConfig", "Reconstruction", "invert"]
 __version__ = "0.1.0"
-
-__getattr__ = _install_moved(__name__)

@@ -1,9 +1,10 @@
 """The one-call entry point: ``invert`` a linear layer's gradient (or weight update).
 
 The pipeline behind it, step by step with the papers' sections, is described in
-``docs/algorithm.md``: the output side in :mod:`fl_attack.levels`, the input side in
-:mod:`fl_attack.input_layer`, both driven by the search loop of :mod:`fl_attack.loop`; the choice
-between the two for ``sparse="auto"`` in :mod:`fl_attack.sides`.
+``docs/algorithm.md``: the output side in :mod:`fl_attack.solver.output_side`, the input side
+in :mod:`fl_attack.solver.input_side`, both driven by the search loop of
+:mod:`fl_attack.solver.loop`; the choice between the two for ``sparse="auto"`` in
+:mod:`fl_attack.solver.both_sides`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_attack import input_layer, levels, sides
-from fl_attack.clock import Clock
 from fl_attack.config import AttackConfig
-from fl_attack.result import Reconstruction, certified
-from fl_attack.tolerances import noisy_update, tolerances
+from fl_attack.core.clock import Clock
+from fl_attack.result import Reconstruction
+from fl_attack.solver import both_sides, input_side, output_side
 from fl_attack.validation import load_layer
-
-__all__ = ["Reconstruction", "certified", "invert", "noisy_update", "tolerances"]
 
 
 def invert(
@@ -63,7 +61,7 @@ def invert(
     next_weight_grad : (k, m), optional
         The weight gradient of the linear layer this layer's ReLU feeds (same batch, same
         step): found samples are then recovered and verified one by one and taken off the
-        gradient, so the rest is searched as a smaller batch (``fl_attack.peel``, beyond the
+        gradient, so the rest is searched as a smaller batch (``fl_attack.steps.peel``, beyond the
         papers). Needs ``weight`` and ``bias``; clean single-step gradients only.
     **options
         Fields of :class:`AttackConfig` (e.g. ``max_seconds``, ``sparse``, ``update``).
@@ -80,9 +78,11 @@ def invert(
     TypeError
         An unknown option, or an argument that is not a real tensor or array.
     ValueError
-        An invalid option value, wrong shapes, non-finite or all-zero gradients, a weight
-        without a bias, a batch not smaller than the layer (full numerical rank), an unknown
-        or unavailable device, or a ``next_weight_grad`` that cannot belong to this layer.
+        An invalid option value, wrong shapes, non-finite gradients, a weight without a bias,
+        an unknown or unavailable device, or a ``next_weight_grad`` that cannot belong to this
+        layer. Two subclasses say why the update itself cannot be inverted:
+        :class:`fl_attack.errors.NotIdentifiable` (a batch not smaller than the layer, or
+        noise that hides it) and :class:`fl_attack.errors.ZeroUpdate` (an all-zero gradient).
 
     See Also
     --------
@@ -93,7 +93,7 @@ def invert(
     layer = load_layer(weight_grad, bias_grad, weight, bias, next_weight_grad, device, cfg)
     clock = Clock(cfg.max_seconds, start=start)
     if cfg.sparse == "input":  # the layer's inputs are the sparse factor (SPEAR §3.2)
-        return input_layer.invert_inputs(layer, cfg, seed, clock)
+        return input_side.invert_inputs(layer, cfg, seed, clock)
     if cfg.sparse == "auto":
-        return sides.invert_auto(layer, cfg, seed, clock)
-    return levels.invert_output(layer, cfg, seed, clock)
+        return both_sides.invert_auto(layer, cfg, seed, clock)
+    return output_side.invert_output(layer, cfg, seed, clock)

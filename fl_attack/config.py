@@ -26,7 +26,7 @@ class AttackConfig:
     """Options of :func:`fl_attack.invert`. Defaults work without tuning on FedSGD gradients.
 
     Attributes are grouped by the step of the attack they control (``docs/algorithm.md``
-    describes the steps; the search's internal constants are in :mod:`fl_attack.tuning`).
+    describes the steps; the search's internal constants are in :mod:`fl_attack.core.tuning`).
     """
 
     # --- which attack ---------------------------------------------------------------------------
@@ -50,7 +50,7 @@ class AttackConfig:
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
-    better, see :mod:`fl_attack.sides`)."""
+    better, see :mod:`fl_attack.solver.both_sides`)."""
 
     # --- decomposition (SPEAR §3.1, SPEAR++ §4.1) -----------------------------------------------
     batch_size: int | None = None
@@ -88,9 +88,9 @@ class AttackConfig:
     max_rounds: int | None = None
     """Rounds of fresh initialisations before giving up on missing directions, over every
     pass of a search. None: ``max(12, B // 4)`` per pass (a search that ends without its
-    columns may take a second pass with a lower zero threshold, ``levels``). Rounds after the
-    first are cheap (restarts in the complement of what is found), and hard batches need many
-    of them."""
+    columns may take a second pass with a lower zero threshold, ``solver.output_side``). Rounds
+    after the first are cheap (restarts in the complement of what is found), and hard batches
+    need many of them."""
     max_seconds: float | None = DEFAULT_MAX_SECONDS
     """Wall-clock budget of one call in seconds (default :data:`DEFAULT_MAX_SECONDS`); ``None``
     means no limit. When it runs out the best selection so far is returned and

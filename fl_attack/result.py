@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from fl_attack.clock import Clock
 from fl_attack.config import AttackConfig
+from fl_attack.core.clock import Clock
 
 
 @dataclass
@@ -58,13 +58,14 @@ class Reconstruction:
     allows it). 0 when λ < 1."""
     peeled: int = 0
     """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
-    and taken off the gradient before the rest of the batch was searched (``fl_attack.peel``)."""
+    and taken off the gradient before the rest of the batch was searched
+    (``fl_attack.steps.peel``)."""
     batch_size_readings: tuple[int, ...] = ()
     """Under noise, the batch sizes the spectrum allowed and that were attacked, when more than
-    one (``fl_attack.readings``: the one that explains the update best is returned)."""
+    one (``fl_attack.steps.batch_size``: the one that explains the update best is returned)."""
     reading_scores: tuple[float, ...] = ()
-    """The criterion of each reading in ``batch_size_readings`` (``readings.criterion``, smaller
-    is better: the returned one has the smallest)."""
+    """The criterion of each reading in ``batch_size_readings``
+    (``steps.batch_size.criterion``, smaller is better: the returned one has the smallest)."""
     mixed: tuple[tuple[int, ...], ...] = ()
     """Groups of samples (row indices of ``inputs``) that the update determines only up to a
     mixture of each other: their ReLU patterns nest (every unit inactive for one is inactive
@@ -80,7 +81,7 @@ class Reconstruction:
     untangled: int = 0
     """Samples of groups the layer read only up to a mixture that were then read exactly,
     each verified on its own, through the next layer's weight gradient
-    (``fl_attack.untangle``)."""
+    (``fl_attack.solver.untangle``)."""
     budget_exhausted: bool = False
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fl_attack.config import AttackConfig
+from fl_attack.errors import ZeroUpdate
 
 
 def as_tensor(value: Any, name: str, *, ndim: int, device: torch.device) -> torch.Tensor:
@@ -64,11 +65,12 @@ def check_layer(
     if min(m, n) < 2:
         raise ValueError(f"layer of shape {(m, n)} is too small to invert (need m, n >= 2)")
     if not weight_grad.abs().max() > 0:
-        raise ValueError("weight_grad is identically zero: the update carries no information")
+        raise ZeroUpdate("weight_grad is identically zero: the update carries no information",
+                         part="weight")
     if not bias_grad.abs().max() > 0:
-        raise ValueError(
-            "bias_grad is identically zero: sample scales cannot be fixed without the bias gradient"
-        )
+        raise ZeroUpdate(
+            "bias_grad is identically zero: sample scales cannot be fixed without the bias "
+            "gradient", part="bias")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -99,7 +101,7 @@ def check_next_layer(G: torch.Tensor, G2: torch.Tensor, W: torch.Tensor | None,
         raise ValueError("next_weight_grad needs a single-step gradient: a FedAvg update's "
                          "next layer mixes each sample's activations from several steps")
     if not G2.abs().max() > 0:
-        raise ValueError("next_weight_grad is identically zero")
+        raise ZeroUpdate("next_weight_grad is identically zero", part="next-weight")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class LayerUpdate:
     """One linear layer's update, validated: what every side of the attack inverts.
 
     Tensors are float64 on ``device``; ``precision`` is the coarsest precision they were given
-    in (it sets the numerical tolerances, ``fl_attack.tolerances``).
+    in (it sets the numerical tolerances, ``fl_attack.steps.tolerances``).
     """
 
     weight_grad: torch.Tensor
@@ -119,7 +121,7 @@ class LayerUpdate:
     bias: torch.Tensor | None
     """(m,) its bias."""
     next_weight_grad: torch.Tensor | None
-    """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.peel``)."""
+    """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.steps.peel``)."""
     precision: torch.dtype
     device: torch.device
 
@@ -134,8 +136,10 @@ def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
     TypeError
         An argument that is not a real torch tensor or numpy array.
     ValueError
-        Wrong shapes, non-finite or all-zero gradients, weight without bias, an unknown
-        device, or a ``next_weight_grad`` that cannot belong to this layer or attack.
+        Wrong shapes, non-finite gradients, weight without bias, an unknown device, or a
+        ``next_weight_grad`` that cannot belong to this layer or attack.
+    fl_attack.errors.ZeroUpdate
+        An all-zero gradient (``part``: ``"weight"``, ``"bias"`` or ``"next-weight"``).
     """
     dev = resolve_device(device)
     precision = input_precision(weight_grad, bias_grad)

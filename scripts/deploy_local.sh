@@ -109,7 +109,7 @@ cd "$ROOT"
 # ground truth). RUN_CONFIG is appended, so it overrides these.
 BASE_CONFIG="num-server-rounds=1 num-clients=$NUM_NODES batch-size=8 width=100 dataset='mnist' dataset-size=400 max-seconds=60.0 audit=false audit-executor='pool' output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
 # A bad setting fails here, naming the key, before any process starts.
-"$BIN/python" -m fl_attack_flwr.run_config "$BASE_CONFIG" "${RUN_CONFIG:-}" || {
+"$BIN/python" -m fl_attack_flwr.app.run_config "$BASE_CONFIG" "${RUN_CONFIG:-}" || {
     log "invalid run config: nothing was started"; exit 2; }
 
 LINK_PORT="$(free_port)"

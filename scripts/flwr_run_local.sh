@@ -85,7 +85,7 @@ EOF
 
 cd "$ROOT"
 BASE="num-clients=$NUM_SUPERNODES output-dir='$OUTPUT_DIR'"
-"$BIN/python" -m fl_attack_flwr.run_config "$BASE" "${OVERRIDES[@]}" || exit 2
+"$BIN/python" -m fl_attack_flwr.app.run_config "$BASE" "${OVERRIDES[@]}" || exit 2
 ARGS=(--run-config "$BASE")
 for override in "${OVERRIDES[@]}"; do ARGS+=(--run-config "$override"); done
 "$BIN/flwr" run . --stream "${ARGS[@]}"

@@ -15,6 +15,14 @@ Let each client check its own update before it leaves (a Flower client mod)::
 
 The names are loaded on first use, so that attack worker processes, which import this package,
 do not pay for Flower's imports.
+
+Beside these names, a reply's way through the plugin has a folder per stage
+(``docs/architecture.md`` maps them): ``intake`` (the reply read), ``jobs`` (the attack job,
+shared with ``LeakGuard``), ``executors`` (where jobs run), ``results`` (records and scores),
+``output`` (store, summary, report, privacy gate); ``app`` is the bundled ServerApp. At the
+top: the strategies (``audit.AuditingStrategy``, ``wrapper``, ``evaluations``,
+``background``), their ``settings``, the status words (``verdicts``) and the keys a reply
+carries (``wire``).
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from typing import Any
 __all__ = ["AttackSettings", "AuditStore", "AuditingStrategy", "ClientAudit", "GroundTruth",
            "InputView", "LeakGuard", "PrivacyGateError", "verdicts"]
 
-_WHERE = {"AttackSettings": "settings", "AuditStore": "store", "AuditingStrategy": "audit",
-          "ClientAudit": "records", "GroundTruth": "scoring", "InputView": "scoring",
-          "LeakGuard": "clients.leak_guard", "PrivacyGateError": "gate"}
+_WHERE = {"AttackSettings": "settings", "AuditStore": "output.store", "AuditingStrategy": "audit",
+          "ClientAudit": "results.records", "GroundTruth": "results.pictures",
+          "InputView": "results.pictures", "LeakGuard": "clients.leak_guard",
+          "PrivacyGateError": "output.privacy_gate"}
 
 
 def __getattr__(name: str) -> Any:

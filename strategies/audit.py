@@ -3,16 +3,17 @@
 It wraps any ``flwr.serverapp.strategy.Strategy`` the way Flower's own DP wrappers do: sampling,
 aggregation and evaluation are the wrapped strategy's; the wrapper only *reads* each training
 reply before it is aggregated (and stores each round's evaluation beside it:
-``evaluations.EvaluationLog``). Per reply it
+``evaluations.EvaluationLog``). A reply goes one way through the plugin's rooms:
 
-1. checks that the reply can be aggregated (``replies.corrupt_reason``; corrupt ones are
-   recorded and withheld, so NaN weights never reach the model);
-2. picks the attacked layer and builds a picklable job from the arrays the server sent that
-   node and the arrays it sent back (``replies.build_job``);
-3. hands the job to an executor (``executors``: inline, one worker process, a pool, Ray);
-4. builds the reply's record from what the intake read, the attack's outcome and its pictures
-   (in audit mode scored by PSNR against the client's true samples: ``scoring``), in one place
-   (``records.build_record``), and stores it (``store.AuditStore``).
+1. ``intake``: can the reply be aggregated (corrupt ones are recorded and withheld, so NaN
+   weights never reach the model), what does it say, and its work: a picklable attack job built
+   from the arrays the server sent that node and the arrays it sent back (``jobs.build``), or
+   the outcome that says why there is none;
+2. ``executors``: the job runs inline, on a worker process, a pool or Ray (``jobs.run``) and
+   comes back as an ``AttackOutcome``;
+3. ``results``: the reply's record, from what the intake read, the outcome and its pictures (in
+   audit mode scored by PSNR against the client's true samples);
+4. ``output``: the store writes it; at the end the summary, the report and the privacy gate.
 
 In ``blocking`` mode the round waits for its attacks and their statistics join the round's
 MetricRecord; in ``background`` mode the wrapped strategy's aggregate is returned at once and
@@ -23,6 +24,7 @@ failure is recorded, never raised: a privacy audit must not take the federation 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import threading
 import time
@@ -39,27 +41,29 @@ from flwr.serverapp.strategy import FedAvg, Result, Strategy
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.background import InFlight, RoundTimes
 from fl_attack_flwr.evaluations import EvaluationLog
-from fl_attack_flwr.executors import Executor, make_executor
-from fl_attack_flwr.intake import Intake, Work, aggregate_intake, reply_intake, sample_replies
-from fl_attack_flwr.outcome import AttackOutcome, error_outcome
-from fl_attack_flwr.outcomes import (
+from fl_attack_flwr.executors.base import Executor, outcome_of
+from fl_attack_flwr.executors.processes import make_executor
+from fl_attack_flwr.intake.facts import ReplyFacts
+from fl_attack_flwr.intake.reply import (
+    Intake,
+    Work,
+    aggregate_intake,
+    reply_intake,
+    sample_replies,
+)
+from fl_attack_flwr.jobs.model_plan import ModelPlan
+from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.output.summary import accountant_notes, strategy_notes
+from fl_attack_flwr.results.pictures import GroundTruth, InputView
+from fl_attack_flwr.results.records import (
+    ClientAudit,
     log_record,
     log_round,
-    log_settings,
-    outcome_of,
-    pictures_of,
+    record_of,
     round_metrics,
 )
-from fl_attack_flwr.pixel_step import ModelPlan
-from fl_attack_flwr.protocol import UPDATE_OF_PROTOCOL
-from fl_attack_flwr.records import ClientAudit, ReplyFacts, build_record
-from fl_attack_flwr.replies import strip_ground_truth
-from fl_attack_flwr.scoring import GroundTruth, InputView
-from fl_attack_flwr.settings import AttackSettings
-from fl_attack_flwr.store import AuditStore
-from fl_attack_flwr.summary import accountant_notes, strategy_notes
-
-__all__ = ["AuditingStrategy"]
+from fl_attack_flwr.settings import UPDATE_OF_PROTOCOL, AttackSettings
 
 Pending = list[tuple[ReplyFacts, Future[AttackOutcome]]]
 
@@ -85,7 +89,7 @@ class AuditingStrategy(EvaluationLog):
         ``(C, H, W)`` of the model's input, to show reconstructions as pictures; inferred for
         square 1- or 3-channel inputs when not given (the report says so).
     input_transform : callable or (mean, std), optional
-        Undoes the clients' normalisation (see ``scoring.InputView``).
+        Undoes the clients' normalisation (see ``results.pictures.InputView``).
     protocol : {"fedsgd", "fedavg", "dpsgd"}, optional
         The clients' training protocol, when known: it fixes how the update is read (otherwise
         ``attack.update`` decides, by default trying both readings).
@@ -151,8 +155,8 @@ class AuditingStrategy(EvaluationLog):
 
     def summary(self) -> None:
         """Log the audit settings, then the wrapped strategy's summary."""
-        log_settings(self.attack, self.enabled, self.ground_truth is not None,
-                     str(self.store.run_dir) if self.store else "(memory)")
+        _log_settings(self.attack, self.enabled, self.ground_truth is not None,
+                      str(self.store.run_dir) if self.store else "(memory)")
         self.strategy.summary()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -217,7 +221,6 @@ class AuditingStrategy(EvaluationLog):
             facts, work = reply_intake(ctx, reply, self._label(node), chosen.get(i))
             if not (isinstance(work, AttackOutcome) and work.status == verdicts.CORRUPT):
                 keep.append(reply)
-            strip_ground_truth(reply)
             replied.append((facts, work))
             self._submit(facts, work, futures)
         facts_of_round = [facts for facts, _ in replied]
@@ -270,10 +273,7 @@ class AuditingStrategy(EvaluationLog):
         with self._lock:
             if facts in self._done:
                 return
-        pictures = None
-        if outcome.reconstructed and outcome.inputs is not None:
-            pictures = pictures_of(outcome, facts, self.view, self.ground_truth)
-        record = build_record(facts, outcome, pictures)
+        record = record_of(facts, outcome, self.view, self.ground_truth)
         with self._lock:
             if facts in self._done:
                 return
@@ -313,3 +313,15 @@ class AuditingStrategy(EvaluationLog):
         if self.enabled and records:
             log_round(server_round, stats, self._inflight.queued())
         return stats
+
+
+def _log_settings(a: AttackSettings, enabled: bool, ground_truth: bool, output: str) -> None:
+    """The audit's part of the strategy summary Flower logs at the start."""
+    info = logging.getLogger("flwr").info
+    info("\t├──> Privacy audit (%s):", "on" if enabled else "off")
+    info("\t│\t├── Attack: %s, update read as %s, budget %s s, device %s", a.method, a.update,
+         a.max_seconds, a.device or "auto")
+    info("\t│\t├── Runs on: %s executor, %s mode, hard timeout %s s", a.executor, a.mode,
+         a.timeout)
+    info("\t│\t├── Ground truth: %s", "yes (audit mode)" if ground_truth else "no")
+    info("\t│\t└── Output: %s", output)

@@ -13,9 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from fl_attack_flwr.outcome import AttackOutcome
-
-__all__ = ["InFlight", "RoundTimes"]
+from fl_attack_flwr.jobs.outcome import AttackOutcome
 
 Item = tuple[Any, Future[AttackOutcome]]
 

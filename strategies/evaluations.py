@@ -23,9 +23,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fl_attack_flwr.wrapper import WrappingStrategy
 
 if TYPE_CHECKING:
-    from fl_attack_flwr.store import AuditStore
-
-__all__ = ["EvaluationLog"]
+    from fl_attack_flwr.output.store import AuditStore
 
 
 class EvaluationLog(WrappingStrategy):

@@ -1,6 +1,6 @@
 """``AttackSettings``: how the auditing server attacks each update, validated when built.
 
-One configuration object, grouped like its run-config keys (``strategies/run_config.py``):
+One configuration object, grouped like its run-config keys (``fl_attack_flwr.app.run_config``):
 which layer and how to read the update, the attack itself, where attacks run, when the round
 waits for them, and which replies are attacked. Every field has a documented default; a bad
 value raises ``ValueError`` naming the field, when the settings are built, before any round.
@@ -13,13 +13,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EXECUTORS", "MODES", "TARGETS", "UPDATES", "AttackSettings", "RoundFilter",
-           "usable_cores"]
-
 EXECUTORS = ("inline", "process", "pool", "ray")
 MODES = ("blocking", "background")
 UPDATES = ("auto", "gradient", "fedavg")
 TARGETS = ("each", "aggregate")
+#: The clients' training protocols, and how each one's update is read (an ``update`` above): one
+#: gradient step (FedSGD; DP-SGD is attacked as a gradient even over several steps, because
+#: under noise the FedAvg test stops telling candidates apart) or a sum over local steps
+#: (FedAvg).
+UPDATE_OF_PROTOCOL = {"fedsgd": "gradient", "fedavg": "fedavg", "dpsgd": "gradient"}
 _EVERY = re.compile(r"^every:(\d+)$")
 
 
@@ -79,7 +81,8 @@ class AttackSettings:
         certified result (the record says which reading won).
     next_layer : bool
         Also pass the next linear layer's update, so verified samples are peeled off and the
-        rest is searched as a smaller batch (``fl_attack.peel``). Used for gradient readings only.
+        rest is searched as a smaller batch (``fl_attack.steps.peel``). Used for gradient
+        readings only.
     method : {"spear++", "spear"}
     max_seconds : float, optional
         Soft time budget of one attack (``fl_attack.AttackConfig.max_seconds``); ``None``: the

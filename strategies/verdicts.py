@@ -38,19 +38,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = [
-    "ERRORS",
-    "MEANINGS",
-    "RECONSTRUCTED",
-    "STATUSES",
-    "batchnorm_reason",
-    "not_relu_reason",
-    "protected_reason",
-    "reconstruction_verdict",
-    "separated_reason",
-    "still_bias_reason",
-]
-
 CERTIFIED = "certified"
 NOT_CERTIFIED = "not-certified"
 PARTIAL = "partial"
@@ -205,7 +192,7 @@ def _unproven(result: dict[str, Any]) -> str:
 
 
 def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
-    """``(status, reason)`` of a finished attack from its summary (``Reconstruction.as_dict()``).
+    """``(status, reason)`` of a finished attack from its facts (``Reconstruction.as_dict()``).
 
     ``certified`` needs the library's ``exact`` flag (λ = 1, every direction found, no noise);
     every other outcome gets the first reason that applies.

@@ -13,8 +13,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-__all__ = ["WrappingStrategy"]
-
 
 class WrappingStrategy(Strategy):
     """Delegate every step to ``strategy``."""

@@ -6,7 +6,7 @@
   gradient of one linear layer, the layer's parameters, its true inputs and its true output
   gradient ∂L/∂Z. Tests use these to build the situation they need from the ground truth.
 * ``output_side``: the output side's own context for an update (decomposition, tolerances,
-  λ system and search context, built as ``fl_attack.levels.solve`` builds them). Its
+  λ system and search context, built as ``fl_attack.solver.output_side.solve`` builds them). Its
   ``certified`` is the certificate that ``fl_attack.invert`` computes for a basis.
 * ``mix``: a basis with one column mixed with another (the wrong column of similar samples).
 * ``image_score``: PSNR of reconstructed rows against a batch's images after the optimal
@@ -24,17 +24,18 @@ import pytest
 import torch
 from torch import nn
 
-from fl_attack import certify, match, polish
-from fl_attack.clock import Clock
-from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import Decomposition, decompose
-from fl_attack.pool import CandidatePool
+from fl_attack.core.clock import Clock
+from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.result import Reconstruction, certified
-from fl_attack.scale import LayerSystem, make_system, reconstruct
-from fl_attack.state import SearchContext, search_context
+from fl_attack.solver import certify
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, search_context
+from fl_attack.steps import match, polish
+from fl_attack.steps.decompose import Decomposition, decompose
+from fl_attack.steps.scale import LayerSystem, make_system, reconstruct
+from fl_attack.steps.tolerances import rank_floor, tolerances
 from fl_attack.testbed import data, metrics, models
-from fl_attack.tolerances import rank_floor, tolerances
 from fl_attack.validation import load_layer
 
 
@@ -151,9 +152,9 @@ class OutputSide:
         return got.value
 
     def certified(self, Q: torch.Tensor) -> bool:
-        """The certificate of a full basis ``Q`` found whole, as ``fl_attack.levels`` gives it
-        (``result.certified``: λ = 1, B directions, no noise, and with ``update="fedavg"``
-        ``certify.supported``)."""
+        """The certificate of a full basis ``Q`` found whole, as
+        ``fl_attack.solver.output_side`` gives it (``result.certified``: λ = 1, B directions, no
+        noise, and with ``update="fedavg"`` ``certify.supported``)."""
         return certified(self.lam(Q), Q.shape[1], self.B, noisy=self.ctx.noisy,
                          supported=certify.supported(self.ctx, Q))
 

@@ -18,13 +18,15 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import completion, faces, polish, rounds, search
-from fl_attack.columns import normalize_columns, zero_mask
 from fl_attack.config import AttackConfig
-from fl_attack.pool import CandidatePool
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.core.columns import normalize_columns, zero_mask
+from fl_attack.errors import ZeroUpdate
+from fl_attack.solver import candidates
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import completion, faces, polish, search
+from fl_attack.steps.tolerances import ZERO_FLOOR
 from fl_attack.testbed import data, models
-from fl_attack.tolerances import ZERO_FLOOR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,7 +172,7 @@ OPTIONS = [
 
 
 def _optimise(side, init: torch.Tensor, cfg: AttackConfig) -> torch.Tensor:
-    """A search round's optimisation (``rounds.spearpp_round``) of the starts ``init`` (B, K)
+    """A search round's optimisation (``candidates.spearpp_round``) of the starts ``init`` (B, K)
     with the options of ``cfg``: unit directions (B, K) in float64."""
     dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
     Q = search.optimise_on_sphere(side.dec.L.to(dtype), init.T.to(dtype), loss=cfg.loss,
@@ -255,8 +257,8 @@ def test_a_search_that_finds_five_columns_gives_a_partial_uncertified_batch(
     completion needs at most three missing). The selection is completed with an orthonormal
     complement: 5 directions, a partial result, not certified, the batch's shape."""
     t = real_batch("photos32", 20, 200, seed=0)
-    monkeypatch.setattr(rounds, "spearpp_round", _offer(t.D, [0, 3, 7, 11, 15]))
-    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(candidates, "spearpp_round", _offer(t.D, [0, 3, 7, 11, 15]))
+    monkeypatch.setattr(candidates, "neighbour_search", lambda *a: None)
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, max_rounds=2,
                            slice_samples=0, max_seconds=None)
     assert rec.partial and rec.n_directions == 5 and not rec.exact
@@ -272,8 +274,8 @@ def test_a_search_that_finds_all_but_three_columns_is_completed_exactly(
     every cell of the missing samples' sign arrangement, from W and b, no random draw) gives
     the missing columns: certified, all 20 directions, every image exact."""
     t = real_batch(dataset, 20, 200, seed=0)
-    monkeypatch.setattr(rounds, "spearpp_round", _offer(t.D, list(range(3, 20))))
-    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(candidates, "spearpp_round", _offer(t.D, list(range(3, 20))))
+    monkeypatch.setattr(candidates, "neighbour_search", lambda *a: None)
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, slice_samples=0,
                            max_seconds=None)
     assert rec.exact and rec.n_directions == 20
@@ -293,8 +295,8 @@ def test_slice_sampling_runs_on_a_search_that_found_nothing(
         found.append(cols.shape[1])
         return sample(system, cols, **kw)
 
-    monkeypatch.setattr(rounds, "spearpp_round", _offer(t.D, []))
-    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(candidates, "spearpp_round", _offer(t.D, []))
+    monkeypatch.setattr(candidates, "neighbour_search", lambda *a: None)
     monkeypatch.setattr(completion, "sample_missing", spy)
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, max_rounds=1,
                            max_seconds=None)
@@ -309,7 +311,7 @@ def test_slice_first_samples_the_slice_before_any_search_round(
     batch is certified and exact with no round run (no "search" timing); when it gives
     nothing the rounds run after it."""
     t = real_batch("photos32", 20, 200, seed=0)
-    real_round = rounds.spearpp_round
+    real_round = candidates.spearpp_round
     events: list[str] = []
 
     def slice_all(system, cols, **kw):
@@ -324,7 +326,7 @@ def test_slice_first_samples_the_slice_before_any_search_round(
         events.append("round")
         real_round(ctx, state, pool)
 
-    monkeypatch.setattr(rounds, "spearpp_round", logged_round)
+    monkeypatch.setattr(candidates, "spearpp_round", logged_round)
     monkeypatch.setattr(completion, "sample_missing", slice_all)
     rec = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, slice_first=True,
                            max_seconds=None)
@@ -394,7 +396,7 @@ def test_import_and_search_raise_no_future_warning() -> None:
     import sys
 
     code = ("import torch, fl_attack\n"
-            "from fl_attack import search\n"
+            "from fl_attack.steps import search\n"
             "L = torch.linalg.qr(torch.randn(40, 4, dtype=torch.float64)).Q\n"
             "g = torch.Generator().manual_seed(0)\n"
             "init = search.random_sphere(8, 4, generator=g, dtype=torch.float64,\n"
@@ -439,12 +441,14 @@ def test_shapes(layer) -> None:
         fl_attack.invert(G.tolist(), g)
 
 
-def test_zero_gradients(layer) -> None:
+def test_zero_gradients_raise_a_zero_update_naming_the_part(layer) -> None:
     G, g, W, b = layer
-    with pytest.raises(ValueError, match="weight_grad is identically zero"):
+    with pytest.raises(ZeroUpdate, match="weight_grad is identically zero") as weight:
         fl_attack.invert(torch.zeros_like(G), g)
-    with pytest.raises(ValueError, match="bias_grad is identically zero"):
+    assert weight.value.part == "weight"
+    with pytest.raises(ZeroUpdate, match="bias_grad is identically zero") as bias:
         fl_attack.invert(G, torch.zeros_like(g))
+    assert bias.value.part == "bias" and isinstance(bias.value, ValueError)
 
 
 def test_full_rank_gradient_not_identifiable() -> None:
@@ -487,7 +491,7 @@ def test_tau_binomial_tail() -> None:
     """SPEAR §4.1: m = 400 and p_fr < 1e-5 give τ ≈ 0.395."""
     from scipy.stats import binom
 
-    from fl_attack.filtering import min_zero_count
+    from fl_attack.steps.filtering import min_zero_count
 
     k = min_zero_count(400, 1e-5)
     assert binom.cdf(k - 1, 400, 0.5) < 1e-5 <= binom.cdf(k, 400, 0.5)
@@ -501,7 +505,7 @@ def test_rank_under_a_noise_bulk_that_is_not_flat() -> None:
     drop) in a near-square 1000 x 800 matrix, like the float32 rounding of a DP-SGD weight
     difference at m = 4000, n = 3072: the noise bulk spans ν(√m ± √n), far from flat, and must
     still be read as noise (B = 20), not as a full-rank signal."""
-    from fl_attack.decompose import estimate_rank
+    from fl_attack.steps.decompose import estimate_rank
 
     gen = torch.Generator().manual_seed(0)
     U = torch.linalg.qr(torch.randn(1000, 20, generator=gen, dtype=torch.float64))[0]

@@ -17,9 +17,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 import fl_attack
-from fl_attack import peel
-from fl_attack.decompose import decompose
 from fl_attack.errors import NotIdentifiable
+from fl_attack.steps import peel
+from fl_attack.steps.decompose import decompose
 from fl_attack.testbed import cnn
 from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp
@@ -110,18 +110,18 @@ def test_a_full_rank_from_another_matrix_is_a_fault_not_protected(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A full rank raised where the reply's smaller count was already the batch size cannot
     be the attacked layer's: it is recorded as an error, never as ``protected``."""
-    from fl_attack_flwr import running
-    from fl_attack_flwr.replies import AttackJob
+    from fl_attack_flwr.jobs import run
+    from fl_attack_flwr.jobs.build import AttackJob
 
     def fake(job_: AttackJob, reading: str, kwargs: dict) -> None:
         raise NotIdentifiable("full", reason="full-rank", rank=57, limit=57)
 
-    monkeypatch.setattr(running, "_invert", fake)
+    monkeypatch.setattr(run, "_invert", fake)
     job = AttackJob(1, 11, "c", np.ones((4, 4)), np.ones(4), np.ones((4, 4)), np.ones(4), None,
                     ("gradient",), {"max_seconds": 1.0}, num_examples=32)
-    out = running.run_job(job)
+    out = run.run_job(job)
     assert out.status == verdicts.ATTACK_ERROR and "reply reports 32 samples" in out.error
-    told = running.run_job(AttackJob(**{**job.__dict__, "num_examples": 64}))
+    told = run.run_job(AttackJob(**{**job.__dict__, "num_examples": 64}))
     assert told.status == verdicts.PROTECTED and "reply reports 64" in told.reason
 
 

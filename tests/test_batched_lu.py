@@ -1,4 +1,4 @@
-"""fl_attack.batched_lu: large CPU batches of LU solves finish and give torch's answers."""
+"""fl_attack.core.batched_lu: large CPU batches of LU solves finish and give torch's answers."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from fl_attack import batched_lu
+from fl_attack.core import batched_lu
 
 
 def _spd(batch: int, n: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def test_rank_deficient_batch_of_210_rows_finishes_with_two_threads():
     # 2-core machines this project runs on ("Parameter 6 was incorrect on entry to DLASWP")
     code = (
         "import torch\n"
-        "from fl_attack import batched_lu\n"
+        "from fl_attack.core import batched_lu\n"
         "torch.set_num_threads(2)\n"
         "A = torch.randn(3, 210, 210, dtype=torch.float64)\n"
         "A[1] = A[1][:, :5] @ A[1][:5, :]\n"

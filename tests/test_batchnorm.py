@@ -17,13 +17,14 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from fl_attack.split import feature_extractor
+from fl_attack.model.split import feature_extractor
+from fl_attack.model.updates import layer_keys
 from fl_attack.testbed.data import load_images, normalize
-from fl_attack.updates import layer_keys
 from fl_attack_flwr import AttackSettings, AuditingStrategy, LeakGuard, verdicts
-from fl_attack_flwr.coverage import scan_layers
-from fl_attack_flwr.pixel_step import ModelPlan, load_model, pixel_task, set_batch_statistics
-from fl_attack_flwr.replies import corrupt_reason
+from fl_attack_flwr.intake.reply import corrupt_reason
+from fl_attack_flwr.jobs.layers import scan_layers
+from fl_attack_flwr.jobs.model_plan import ModelPlan, pixel_task
+from fl_attack_flwr.jobs.pixels import load_model, set_batch_statistics
 from tests.flower_fakes import FakeGrid, content, fedavg, reply
 
 pytestmark = pytest.mark.usefixtures("one_thread")

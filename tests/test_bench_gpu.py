@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from experiments import bench_gpu
-from fl_attack import completion, faces, kernels
-from fl_attack.columns import zero_mask
-from fl_attack.decompose import decompose
+from fl_attack.core import kernels
+from fl_attack.core.columns import zero_mask
+from fl_attack.steps import completion, faces
+from fl_attack.steps.decompose import decompose
 from fl_attack.testbed import data, models
 
 ROOT = Path(__file__).resolve().parents[1]

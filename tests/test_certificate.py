@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import certify
-from fl_attack.columns import normalize_columns, zero_mask
-from fl_attack.decompose import decompose
+from fl_attack.core.columns import normalize_columns, zero_mask
+from fl_attack.solver import certify
+from fl_attack.steps.decompose import decompose
 from fl_attack.testbed import data, metrics, models, views
 from strategies import verdicts
 from tests.conftest import RealBatch, compute_output_grad

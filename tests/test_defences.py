@@ -39,7 +39,7 @@ from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
 from tests.flower_fakes import FakeGrid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     cfg = row_config({"num-clients": 3, "dataset": DATASET, "dataset-size": SIZE,
                       "batch-size": B, "width": WIDTH, "output-dir": out},
                      Defence("secaggplus", "secagg+", "SecAgg+"))
-    from fl_attack_flwr.server_app import initial_arrays
+    from fl_attack_flwr.app.server_app import initial_arrays
 
     state = {k: torch.from_numpy(v.numpy()) for k, v in initial_arrays(cfg).items()}
     model = relu_mlp(784, WIDTH, 3, 10)
@@ -179,8 +179,8 @@ def test_secaggplus_strategy_attacks_the_unmasked_aggregate(world: dict, tmp_pat
 
 @pytest.mark.usefixtures("task_identity")
 def test_secaggplus_client_trains_what_the_plugin_client_trains(world: dict) -> None:
+    from fl_attack_flwr.app.server_app import client_config_record
     from fl_attack_flwr.clients.client_app import train
-    from fl_attack_flwr.server_app import client_config_record
 
     names = list(world["state"])
     config = {**dict(client_config_record(world["cfg"])), "server-round": 1}

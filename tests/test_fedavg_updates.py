@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 import fl_attack
-from fl_attack import certify, loop, match, rounds, updates
-from fl_attack.certify import Assessment
-from fl_attack.pool import CandidatePool
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.model import updates
+from fl_attack.solver import candidates, certify, loop
+from fl_attack.solver.certify import Assessment
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import match
 from fl_attack.testbed import data, models, simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -290,8 +292,8 @@ def test_rounds_that_only_grow_the_pool_end_a_fedavg_search(
         state.match = stuck
         return Assessment(Q=Q, count=B, done=False)
 
-    monkeypatch.setattr(rounds, "spearpp_round", grow)
-    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(candidates, "spearpp_round", grow)
+    monkeypatch.setattr(candidates, "neighbour_search", lambda *a: None)
     monkeypatch.setattr(certify, "assess", selection)
     monkeypatch.setattr(certify, "finish", lambda ctx, state, pool: (Q, B))
     state, pool = SearchState(), CandidatePool(ctx)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from fl_attack_flwr.run_config import DEFAULT_RUN_CONFIG
+from fl_attack_flwr.app.run_config import DEFAULT_RUN_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -328,7 +328,7 @@ def test_compose_demo_run_config_uses_declared_keys() -> None:
 
 def test_pyproject_run_config_matches_the_app_defaults() -> None:
     flwr = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert flwr["components"] == {"serverapp": "fl_attack_flwr.server_app:app",
+    assert flwr["components"] == {"serverapp": "fl_attack_flwr.app.server_app:app",
                                   "clientapp": "fl_attack_flwr.clients.client_app:app"}
     assert flwr["config"] == DEFAULT_RUN_CONFIG
 

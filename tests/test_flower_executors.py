@@ -16,11 +16,12 @@ from fl_attack.testbed.data import load_images, normalize
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import local_update
 from fl_attack_flwr import AttackSettings, verdicts
-from fl_attack_flwr.executors import InlineExecutor, PoolExecutor
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.ray_executor import RayExecutor
-from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
-from fl_attack_flwr.running import run_job
+from fl_attack_flwr.executors.processes import InlineExecutor, PoolExecutor
+from fl_attack_flwr.executors.ray_actors import RayExecutor
+from fl_attack_flwr.jobs.build import AttackJob, build_job
+from fl_attack_flwr.jobs.layers import choose_layer
+from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.run import run_job
 
 DATASET, B, WIDTH = "mnist", 8, 100
 
@@ -78,7 +79,7 @@ def test_inline_pool_and_ray_give_the_same_reconstruction(easy_job: AttackJob) -
     assert ref.status == verdicts.CERTIFIED, f"setup: the job must be certified ({ref.reason})"
     for out in outs:
         assert out.status == verdicts.CERTIFIED
-        assert out.summary["batch_size"] == ref.summary["batch_size"]
+        assert out.reconstruction["batch_size"] == ref.reconstruction["batch_size"]
         assert _same_rows(out.inputs, ref.inputs)
 
 
@@ -180,7 +181,7 @@ def test_an_allocation_a_c_extension_fails_silently_under_the_cap_is_out_of_memo
     """Under the memory cap a refused allocation can surface as CPython's "SystemError: error
     return without exception set" (numpy or torch failing without raising MemoryError): the
     outcome is out-of-memory and says why; without a cap the same error stays an attack error."""
-    import fl_attack_flwr.running as running
+    import fl_attack_flwr.jobs.run as running
 
     def lost(_job: AttackJob, _reading: str) -> None:
         raise SystemError("error return without exception set")
@@ -213,7 +214,7 @@ def _fake(outcomes: dict[str, dict]):
 
 
 def _res(status: str, lam: float | None = None) -> AttackOutcome:
-    return AttackOutcome(status, summary=None if lam is None else {"sparsity_match": lam})
+    return AttackOutcome(status, reconstruction=None if lam is None else {"sparsity_match": lam})
 
 
 @pytest.mark.parametrize(("outcomes", "want", "tried"), [
@@ -233,10 +234,10 @@ def _res(status: str, lam: float | None = None) -> AttackOutcome:
 def test_readings_are_tried_until_one_is_certified_and_the_best_is_kept(
         job: AttackJob, monkeypatch: pytest.MonkeyPatch, outcomes: dict, want: str,
         tried: list[str]) -> None:
-    from fl_attack_flwr import running
+    from fl_attack_flwr.jobs import run
 
     fake, calls = _fake(outcomes)
-    monkeypatch.setattr(running, "_attack_once", fake)
+    monkeypatch.setattr(run, "_attack_once", fake)
     auto = AttackJob(**{**job.__dict__, "readings": ("gradient", "fedavg")})
     out = run_job(auto)
     assert out.reading == want and calls == tried
@@ -247,10 +248,10 @@ def test_the_batch_size_is_read_against_the_replys_num_examples(
     """An update of N samples has rank at most N: when the spectrum reads more, or the full
     rank of the layer, the attack runs again at the N the reply reports, and says why."""
     from fl_attack.errors import NotIdentifiable
-    from fl_attack_flwr import running
+    from fl_attack_flwr.jobs import run
 
     calls: list[dict] = []
-    real = running._invert
+    real = run._invert
 
     def fake_invert(job_, reading, kwargs):
         calls.append(kwargs)
@@ -258,13 +259,13 @@ def test_the_batch_size_is_read_against_the_replys_num_examples(
             raise NotIdentifiable("full rank", reason="full-rank", rank=100, limit=100)
         return real(job_, reading, kwargs)
 
-    monkeypatch.setattr(running, "_invert", fake_invert)
+    monkeypatch.setattr(run, "_invert", fake_invert)
     told = dataclasses.replace(job, num_examples=B, readings=("gradient",),
                                invert_kwargs={**job.invert_kwargs, "max_seconds": 5.0})
     out = run_job(told)
     assert [c.get("batch_size") for c in calls] == [None, B]
-    assert out.status in verdicts.RECONSTRUCTED and out.summary["batch_size"] == B
-    assert "more than the 8 samples the reply reports" in out.summary["batch_size_from"]
+    assert out.status in verdicts.RECONSTRUCTED and out.reconstruction["batch_size"] == B
+    assert "more than the 8 samples the reply reports" in out.reconstruction["batch_size_from"]
     calls.clear()
     # a reply that counts as many samples as the layer has units: the full rank is the truth
     assert run_job(dataclasses.replace(told, num_examples=100)).status == verdicts.PROTECTED

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {

@@ -12,14 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_attack_flwr.store import (
-    AuditStore,
-    ClientAudit,
-    atomic_write_bytes,
-    image_grid,
-    jsonable,
-    records_from_jsonl,
-)
+from fl_attack_flwr.output.png import image_grid
+from fl_attack_flwr.output.private_files import atomic_write_bytes, jsonable, records_from_jsonl
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.results.records import ClientAudit
 
 
 def _mode(path: Path) -> int:
@@ -192,7 +188,7 @@ def test_jsonable_and_image_grid() -> None:
 
 
 def _summary_of(records: list[ClientAudit]) -> dict:
-    from fl_attack_flwr.summary import summarize
+    from fl_attack_flwr.output.summary import summarize
 
     return summarize(records, {}, {}, run_name="r", run_dir="/x", wall_seconds=1.0)
 
@@ -204,7 +200,8 @@ def test_the_verdict_answers_the_auditors_question() -> None:
     assert "reconstructed 6 of 6 client batches exactly" in every["verdict"]
 
     protected = [ClientAudit(1, k, partition_id=k, status="protected",
-                             reason="the update mixes at least min(m, n) = 100 samples")
+                             reason="the update mixes at least min(m, n) = 100 samples",
+                             protected_by="full-rank")
                  for k in range(3)]
     safe = _summary_of(protected)
     assert safe["verdict_level"] == "safe"
@@ -307,7 +304,7 @@ def test_retention_keeps_the_last_rounds_reconstructions_only(tmp_path: Path) ->
 ])
 def test_the_privacy_gate_trips_on_what_it_names(fail_on: str, summary: dict,
                                                  trips: bool) -> None:
-    from fl_attack_flwr.gate import gate_failure
+    from fl_attack_flwr.output.privacy_gate import gate_failure
 
     why = gate_failure({**summary, "report": "r.html"}, fail_on)
     assert (why is not None) == trips

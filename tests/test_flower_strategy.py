@@ -157,7 +157,7 @@ def test_a_batch_larger_than_the_layer_is_reported_protected(task_identity: None
     _, metrics = audited.aggregate_train(1, [reply(11, content(res.state_dict, 0, num=40))])
     audited.close()
     (rec,) = audited.records
-    assert rec.status == "protected" and rec.error is None
+    assert rec.status == "protected" and rec.error is None and rec.protected_by == "full-rank"
     assert "mixes at least min(m, n) = 24 samples" in rec.reason
     assert metrics["audit-protected"] == 1 and metrics["audit-failures"] == 0
 
@@ -229,7 +229,7 @@ def test_drain_timeout_marks_unfinished_attacks(world: dict, task_identity: None
 
 
 def test_sampling_is_seeded_and_skipped_replies_say_why(world: dict, task_identity: None) -> None:
-    from fl_attack_flwr.intake import sample_replies
+    from fl_attack_flwr.intake.reply import sample_replies
 
     def picked(seed: int) -> list[int]:
         settings = AttackSettings(**INLINE, fraction=0.5, sample_seed=seed, rounds="1,3")
@@ -255,7 +255,7 @@ def test_the_protocol_fixes_the_reading_and_auto_tries_both() -> None:
 
 
 def test_the_layer_is_chosen_by_name_or_first_linear_with_a_bias() -> None:
-    from fl_attack_flwr.replies import choose_layer
+    from fl_attack_flwr.jobs.layers import choose_layer
 
     model = relu_mlp(784, WIDTH, 3, seed=0)
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
@@ -274,7 +274,8 @@ def test_the_layer_is_chosen_by_name_or_first_linear_with_a_bias() -> None:
 
 
 def test_next_layer_update_goes_with_gradient_readings_only() -> None:
-    from fl_attack_flwr.replies import build_job, choose_layer
+    from fl_attack_flwr.jobs.build import build_job
+    from fl_attack_flwr.jobs.layers import choose_layer
 
     model = relu_mlp(784, WIDTH, 3, seed=0)
     g_state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
@@ -326,7 +327,7 @@ def test_a_full_background_queue_skips_replies_and_says_why(world: dict,
 
 
 def test_a_noisy_verdict_names_the_batch_size_readings() -> None:
-    """Under noise the attack may try two batch sizes (``fl_attack.readings``): the recorded
+    """Under noise the attack may try two batch sizes (``fl_attack.steps.batch_size``): the recorded
     reason says which ones and which was kept, so an auditor can tell why B differs from the
     client's batch; with one reading the reason is unchanged."""
     summary = {"batch_size": 20, "n_directions": 20, "exact": False,

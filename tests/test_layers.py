@@ -3,7 +3,7 @@
 
 A hidden layer of a ReLU MLP sits between two ReLUs: its output gradients ∂L/∂z are sparse (the
 ReLU after it, ``sparse="output"``) and so are its inputs x (the ReLU before it,
-``sparse="input"``, :mod:`fl_attack.input_layer`); ``"auto"`` tries the output side, then the
+``sparse="input"``, :mod:`fl_attack.solver.input_side`); ``"auto"`` tries the output side, then the
 input side. Everything here runs on real batches (photo crops, MNIST digits) through
 :func:`fl_attack.testbed.models.relu_mlp`, and reconstructions are scored against the layer's
 true inputs (:func:`fl_attack.testbed.models.layer_inputs`) after matching. "Exact" means a
@@ -25,15 +25,15 @@ import torch
 from torch import nn
 
 import fl_attack
-from fl_attack import input_layer, levels
-from fl_attack.columns import normalize_columns
 from fl_attack.config import AttackConfig
-from fl_attack.decompose import Decomposition, decompose
-from fl_attack.input_layer import input_factors, input_match, orient_nonnegative
+from fl_attack.core.columns import normalize_columns
 from fl_attack.result import certified
-from fl_attack.scale import LayerSystem
+from fl_attack.solver import input_side, output_side
+from fl_attack.solver.input_side import input_factors, input_match, orient_nonnegative
+from fl_attack.steps.decompose import Decomposition, decompose
+from fl_attack.steps.scale import LayerSystem
+from fl_attack.steps.tolerances import noisy_update, rank_floor, tolerances
 from fl_attack.testbed import data, metrics, models
-from fl_attack.tolerances import noisy_update, rank_floor, tolerances
 from fl_attack.validation import load_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +77,7 @@ def _keeps_promises(rec: fl_attack.Reconstruction, X: torch.Tensor) -> None:
 @dataclass
 class InputSide:
     """What the input side derives from an update before it searches
-    (``input_layer.invert_inputs``), and the certificate it gives a basis."""
+    (``input_side.invert_inputs``), and the certificate it gives a basis."""
 
     dec: Decomposition
     """Gᵀ = L' R'."""
@@ -100,7 +100,7 @@ class InputSide:
         return input_match(Q, self.system, self.W, self.b, self.system.t).value
 
     def inputs(self, Q: torch.Tensor) -> torch.Tensor:
-        """(B, n) the inputs of the basis ``Q`` (``input_layer.input_factors``)."""
+        """(B, n) the inputs of the basis ``Q`` (``input_side.input_factors``)."""
         return input_factors(Q, self.dec.L, self.dec.R, self.system.t)[0]
 
 
@@ -238,13 +238,13 @@ def _candidate(inputs: torch.Tensor, lam: float, exact: bool = False,
 
 
 def test_auto_ranks_the_sides_by_their_inputs_not_their_lambda(real_batch) -> None:
-    """``"auto"``'s rule (``sides.better_side``) on two constructed results for the same
+    """``"auto"``'s rule (``both_sides.better_side``) on two constructed results for the same
     real layer (photos, B = 20, layer 2): an "output side" whose every input is a signed mixture
     of the true ones (what a wrong basis gives: X̂ = M X) with the higher λ, and an "input side"
     with 17 of 20 inputs right. Each side's λ comes from its own factorisation, so the rule
     scores both by ``side_score`` on the same footing and must return the input side whatever
     the two λ say; a certified side wins; ties go to the output side."""
-    from fl_attack.sides import better_side, side_score
+    from fl_attack.solver.both_sides import better_side, side_score
 
     t = _layer_problem(real_batch, "photos32", 20, 1, 0)
     G, X = t.G, t.X
@@ -276,37 +276,37 @@ def test_auto_ranks_the_sides_by_their_inputs_not_their_lambda(real_batch) -> No
 def test_auto_returns_the_side_its_rule_picks(monkeypatch: pytest.MonkeyPatch,
                                               real_batch) -> None:
     """``"auto"`` on a layer between two ReLUs (photos, B = 20, layer 2), with each side's
-    result built directly (``levels.invert_output``, ``input_layer.invert_inputs``
+    result built directly (``output_side.invert_output``, ``input_side.invert_inputs``
     monkeypatched): a certified output side is returned as it is and the input side is not
     run; an uncertified one is followed by the input side, and ``"auto"`` returns exactly
     what ``better_side`` picks of the two, with the other side's time."""
-    from fl_attack import sides
+    from fl_attack.solver import both_sides
 
     t = _layer_problem(real_batch, "photos32", 20, 1, 0)
     wrong = t.X + 0.3 * t.X.roll(1, dims=0)
     outs: list[fl_attack.Reconstruction] = []
 
-    def output_side(layer, cfg, seed, clock, dec=None):
+    def fake_output(layer, cfg, seed, clock, dec=None):
         outs.append(_candidate(t.X if certify_output else wrong, 1.0 if certify_output else 0.9,
                                exact=certify_output))
         return outs[-1]
 
-    def input_side(layer, cfg, seed, clock):
+    def fake_input(layer, cfg, seed, clock):
         if certify_output:
             raise AssertionError("the input side ran after a certified output side")
         return _candidate(t.X.clone(), 0.95, side="input")
 
     seen: list[tuple[fl_attack.Reconstruction, ...]] = []
-    rule = sides.better_side
+    rule = both_sides.better_side
 
     def spy(out, inp, *args, **kw):
         best, other = rule(out, inp, *args, **kw)
         seen.append((best, other))
         return best, other
 
-    monkeypatch.setattr(levels, "invert_output", output_side)
-    monkeypatch.setattr(input_layer, "invert_inputs", input_side)
-    monkeypatch.setattr(sides, "better_side", spy)
+    monkeypatch.setattr(output_side, "invert_output", fake_output)
+    monkeypatch.setattr(input_side, "invert_inputs", fake_input)
+    monkeypatch.setattr(both_sides, "better_side", spy)
     certify_output = True
     auto = fl_attack.invert(t.G, t.g, weight=t.W, bias=t.b, seed=0, sparse="auto")
     assert auto is outs[-1] and auto.exact and not seen
@@ -340,7 +340,7 @@ def test_output_layer_is_never_certified(real_batch) -> None:
     """The logits layer is preceded by a ReLU but not followed by one: the input side's
     true directions still give its inputs exactly (B = 5 < 10 classes), but the ReLU-pattern
     certificate does not apply: λ < 1 for the true inputs, and nothing the attack returns
-    is marked exact (module docstring of fl_attack.input_layer)."""
+    is marked exact (module docstring of fl_attack.solver.input_side)."""
     t = _layer_problem(real_batch, "mnist", 5, 3, 1)
     assert t.G.shape == (10, WIDTH)
     side = _input_side(t.G, t.g, t.W, t.b)
@@ -390,7 +390,7 @@ def test_bad_input_raises_clear_errors() -> None:
 
 
 def test_input_side_lambda_forgives_a_chance_zero_but_not_a_mixture(real_batch) -> None:
-    """Input-mode λ (``input_layer.pattern_match``) uses the output side's chance-zero rule.
+    """Input-mode λ (``input_side.pattern_match``) uses the output side's chance-zero rule.
 
     Layer 2, photos, B = 20, the true inputs and output gradients: λ = 1. With one active
     unit's gradient shrunk below the float32 zero test (what a tiny ∂L/∂y does by chance;
@@ -398,7 +398,7 @@ def test_input_side_lambda_forgives_a_chance_zero_but_not_a_mixture(real_batch) 
     ambiguous band, so it is planted here) λ stays 1 and the entry is reported; with one
     input mixed with its neighbour the ReLU law breaks and nothing is forgiven.
     """
-    from fl_attack.input_layer import pattern_match
+    from fl_attack.solver.input_side import pattern_match
 
     t = _layer_problem(real_batch, "photos32", 20, 1, 0)
     B = 20

@@ -20,8 +20,8 @@ from flwr.app import Context, Message, RecordDict
 
 from fl_attack_flwr import AttackSettings, AuditingStrategy, LeakGuard, verdicts
 from fl_attack_flwr.clients.leak_guard import GuardFinding
-from fl_attack_flwr.protocol import GUARD_CODES, GUARD_KEYS
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
+from fl_attack_flwr.wire import GUARD_CODES, GUARD_KEYS
 from tests.flower_fakes import (
     arrays_equal,
     configure,

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import updates
-from fl_attack.decompose import decompose
+from fl_attack.model import updates
+from fl_attack.steps.decompose import decompose
+from fl_attack.steps.tolerances import noisy_update
 from fl_attack.testbed import data, models, simulate
-from fl_attack.tolerances import noisy_update
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +161,7 @@ def test_the_spectrum_gives_two_readings_between_the_edge_and_the_margin() -> No
     ``edge_batch_size`` those above ``EDGE_MARGIN`` edges, and ``at`` gives the factors of
     either reading (the first columns of one SVD); given the batch size, the spectrum's own
     reading is kept beside it."""
-    from fl_attack.decompose import EDGE_MARGIN, decompose
+    from fl_attack.steps.decompose import EDGE_MARGIN, decompose
 
     gen = torch.Generator().manual_seed(0)
     m, n, B, nu = 300, 900, 8, 1e-3
@@ -187,10 +187,10 @@ def test_the_spectrum_gives_two_readings_between_the_edge_and_the_margin() -> No
 
 
 def test_the_explained_residual_counts_what_a_reconstruction_leaves_out(output_grad) -> None:
-    """``readings.explained_residual`` on a real clean gradient (B = 12, m = 200): the true
+    """``batch_size.explained_residual`` on a real clean gradient (B = 12, m = 200): the true
     inputs explain it to rounding, and with one sample left out the residual is that sample's
     part of the update (it activates other units than the rest, so no refit absorbs it)."""
-    from fl_attack.readings import explained_residual
+    from fl_attack.steps.batch_size import explained_residual
 
     u = _dp_update(seed=0, noise_frac=0.0, output_grad=output_grad)
     X, dW, db, W0, b0 = u.X, u.dW, u.db, u.W0, u.b0
@@ -208,8 +208,8 @@ def test_both_readings_are_attacked_and_the_better_explanation_is_kept(output_gr
     (at least the weakest direction lies between the margin and the edge). Both readings are
     attacked within the one budget; the result is the reading with the smallest criterion,
     and it reports both."""
-    from fl_attack.decompose import decompose
-    from fl_attack.readings import criterion
+    from fl_attack.steps.batch_size import criterion
+    from fl_attack.steps.decompose import decompose
     from fl_attack.validation import load_layer
 
     u = _dp_update(seed=2, noise_frac=0.0, output_grad=output_grad, B=20)

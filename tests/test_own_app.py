@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.output.private_files import records_from_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "photo-mlp"
@@ -111,7 +111,7 @@ def test_the_plugin_import_cannot_collide_with_a_users_packages(tmp_path: Path) 
     probe = textwrap.dedent("""
         import clients, strategies
         from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore
-        from fl_attack_flwr.server_app import app
+        from fl_attack_flwr.app.server_app import app
         import fl_attack_flwr.clients.client_app as ours
         print(clients.OWNER, strategies.OWNER, ours.__file__, AuditingStrategy.__module__)
     """)

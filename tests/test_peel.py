@@ -1,4 +1,4 @@
-"""Peeling found samples off the gradient with the next layer's gradient (``fl_attack.peel``),
+"""Peeling found samples off the gradient with the next layer's gradient (``fl_attack.steps.peel``),
 on real photo batches: each step against the true factor ∂L/∂Z, then the whole attack with
 the search's findings built in (a round monkeypatched to offer chosen true columns)."""
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import fl_attack
-from fl_attack import peel, rounds
-from fl_attack.columns import normalize_columns, zero_mask
-from fl_attack.decompose import decompose
-from fl_attack.pool import CandidatePool
-from fl_attack.scale import make_system
-from fl_attack.state import SearchContext, SearchState
+from fl_attack.core.columns import normalize_columns, zero_mask
+from fl_attack.solver import candidates
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import peel
+from fl_attack.steps.decompose import decompose
+from fl_attack.steps.scale import make_system
 from fl_attack.testbed import models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,8 +138,8 @@ def test_samples_found_by_a_starved_search_are_peeled_and_the_rest_solved(
     directions, certified, every image exact. Without the next layer nothing is peeled and
     the result is partial: 12 directions, not certified."""
     t = case(seed=0)
-    monkeypatch.setattr(rounds, "spearpp_round", _offer_in_span(t["D"], 12))
-    monkeypatch.setattr(rounds, "neighbour_search", lambda *a: None)
+    monkeypatch.setattr(candidates, "spearpp_round", _offer_in_span(t["D"], 12))
+    monkeypatch.setattr(candidates, "neighbour_search", lambda *a: None)
     opts = {"seed": 0, "max_rounds": 2, "slice_samples": 0, "max_seconds": None}
     rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"],
                            next_weight_grad=t["G2"], **opts)

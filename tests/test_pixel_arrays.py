@@ -19,12 +19,12 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fl_attack.testbed import cnn
 from fl_attack.testbed.data import load_images
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, GroundTruth, verdicts
-from fl_attack_flwr.outcome import AttackOutcome
-from fl_attack_flwr.outcomes import pictures_of
-from fl_attack_flwr.pixel_step import PixelOutcome
-from fl_attack_flwr.records import ReplyFacts, build_record
-from fl_attack_flwr.scoring import InputView
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.intake.facts import ReplyFacts
+from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.pixels import PixelOutcome
+from fl_attack_flwr.output.private_files import records_from_jsonl
+from fl_attack_flwr.results.pictures import InputView, pictures_of
+from fl_attack_flwr.results.records import build_record
 from tests.flower_fakes import FakeGrid, content, fedavg, reply
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +39,7 @@ def _features_record(rnd: int, indices: list[int] | None) -> object:
     rng = np.random.default_rng(rnd)
     px = PixelOutcome(images=rng.uniform(-1.0, 1.0, (4, 3, 32, 32)), feature_residual=[0.1] * 4)
     outcome = AttackOutcome(verdicts.CERTIFIED, reading="gradient", inputs=rng.random((4, 400)),
-                            summary={"batch_size": 4, "n_directions": 4, "exact": True},
+                            reconstruction={"batch_size": 4, "n_directions": 4, "exact": True},
                             pixels=px)
     facts = ReplyFacts(rnd, 11, partition_id=0, num_examples=4, sample_indices=indices,
                        layer="fc1.weight", reads="features")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_attack.model.split import feature_extractor, layer_context
 from fl_attack.pixels import (
     PixelConfig,
     feature_gradients,
@@ -18,7 +19,6 @@ from fl_attack.pixels import (
     output_gradients,
 )
 from fl_attack.pixels.terms import gradient_mismatch
-from fl_attack.split import feature_extractor, layer_context
 from fl_attack.testbed import baselines, cnn, models
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,9 +16,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore, verdicts
-from fl_attack_flwr.ray_executor import RayExecutor
-from fl_attack_flwr.replies import AttackJob, build_job, choose_layer
-from fl_attack_flwr.store import records_from_jsonl
+from fl_attack_flwr.executors.ray_actors import RayExecutor
+from fl_attack_flwr.jobs.build import AttackJob, build_job
+from fl_attack_flwr.jobs.layers import choose_layer
+from fl_attack_flwr.output.private_files import records_from_jsonl
 from tests.flower_fakes import configure, fedavg, good_replies
 
 ATTACK_NODE = {"fl-attack": 1.0}

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from fl_attack.testbed.data import load_images
-from fl_attack_flwr.store import AuditStore, ClientAudit
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.results.records import ClientAudit
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 if BROWSER is None:

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from fl_attack.errors import ZeroUpdate
+from fl_attack.model.updates import layer_keys, weight_update_pair
 from fl_attack.testbed.data import normalize, sample_batch
 from fl_attack.testbed.models import relu_mlp
 from fl_attack.testbed.simulate import PROTOCOLS, local_update, noise_multiplier_for_std
-from fl_attack.updates import layer_keys, weight_update_pair
 
 B = 8
 LR = 0.05
@@ -219,7 +220,11 @@ def test_weight_update_pair_errors():
         weight_update_pair(g, {**n, "0.weight": torch.ones(4, 2)})
     with pytest.raises(ValueError, match="non-finite"):
         weight_update_pair(g, {**n, "0.bias": torch.tensor([1.0, np.nan, 0.0, 0.0])})
-    with pytest.raises(ValueError, match="unchanged"):
+    with pytest.raises(ZeroUpdate, match="unchanged") as unchanged:
         weight_update_pair(g, {k: v.clone() for k, v in g.items()})
+    assert unchanged.value.part == "update"
+    with pytest.raises(ZeroUpdate, match="only the bias changed") as bias_only:
+        weight_update_pair(g, {**g, "0.bias": torch.ones(4)})
+    assert bias_only.value.part == "weight"
     with pytest.raises(ValueError, match="no linear layer"):
         weight_update_pair({"w": torch.ones(3)}, {"w": torch.ones(3)})

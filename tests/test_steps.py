@@ -13,27 +13,16 @@ import pytest
 import torch
 from scipy.optimize import linprog
 
-from fl_attack import (
-    certify,
-    clock,
-    columns,
-    completion,
-    config,
-    faces,
-    feasibility,
-    filtering,
-    kernels,
-    match,
-    polish,
-    search,
-    select,
-)
-from fl_attack.clock import Clock
-from fl_attack.decompose import Decomposition, decompose
-from fl_attack.scale import make_system
-from fl_attack.state import SearchState, search_context
-from fl_attack.tolerances import tolerances
-from fl_attack.tuning import TUNING
+from fl_attack import config
+from fl_attack.core import clock, columns, kernels
+from fl_attack.core.clock import Clock
+from fl_attack.core.tuning import TUNING
+from fl_attack.solver import certify
+from fl_attack.solver.state import SearchState, search_context
+from fl_attack.steps import completion, faces, feasibility, filtering, match, polish, search, select
+from fl_attack.steps.decompose import Decomposition, decompose
+from fl_attack.steps.scale import make_system
+from fl_attack.steps.tolerances import tolerances
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

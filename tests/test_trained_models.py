@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 import fl_attack
-from fl_attack import certify, filtering
-from fl_attack.decompose import decompose
-from fl_attack.state import relaxed
+from fl_attack.solver import certify
+from fl_attack.solver.state import relaxed
+from fl_attack.steps import filtering
+from fl_attack.steps.decompose import decompose
+from fl_attack.steps.tolerances import exact_possible, noisy_update, rounding_limited
 from fl_attack.testbed import data, models
-from fl_attack.tolerances import exact_possible, noisy_update, rounding_limited
 from tests.conftest import RealBatch, compute_output_grad
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,11 +21,12 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message, Metadata, MetricRecord, RecordDict
 
 from fl_attack_flwr import AuditingStrategy
+from fl_attack_flwr.app.run_config import RunConfigError, check_run_config, resolve_run_config
 from fl_attack_flwr.clients.partition import eval_split, iid_partition
-from fl_attack_flwr.progress import by_round, progress_png, trend_sentence
-from fl_attack_flwr.run_config import RunConfigError, check_run_config, resolve_run_config
-from fl_attack_flwr.store import AuditStore, ClientAudit
-from fl_attack_flwr.summary import READABLE_DB
+from fl_attack_flwr.output.progress import by_round, progress_png, trend_sentence
+from fl_attack_flwr.output.store import AuditStore
+from fl_attack_flwr.output.summary import READABLE_DB
+from fl_attack_flwr.results.records import ClientAudit
 from tests.flower_fakes import FakeGrid, fedavg
 
 B = 8
@@ -197,8 +198,8 @@ def test_a_held_out_split_keeps_the_evaluation_samples_out_of_training() -> None
 
 @pytest.mark.usefixtures("task_identity")
 def test_held_out_clients_never_train_on_what_they_evaluate(tmp_path: Path) -> None:
+    from fl_attack_flwr.app.server_app import client_config_record, initial_arrays
     from fl_attack_flwr.clients.client_app import evaluate, train
-    from fl_attack_flwr.server_app import client_config_record, initial_arrays
 
     cfg = check_run_config({**resolve_run_config({}), "dataset": "mnist", "dataset-size": 120,
                             "batch-size": 8, "width": 20, "eval-size": 16,

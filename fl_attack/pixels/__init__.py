@@ -7,7 +7,7 @@ recover the images behind them (SPEAR §6.4; Kariyappa et al. 2023; Geiping et a
 ``pixels.upstream``        each sample's ∂L/∂Z and ∂L/∂features from the exact reconstruction
 =========================  ====================================================================
 
-The model is cut at the attacked layer by :func:`fl_attack.split.feature_extractor`.
+The model is cut at the attacked layer by :func:`fl_attack.model.split.feature_extractor`.
 """
 
 from fl_attack.pixels.invert import PixelConfig, PixelReconstruction, invert_features

@@ -262,7 +262,7 @@ def invert_features(
         The attacked linear layer's inputs, e.g. ``fl_attack.invert(...).inputs``.
     extractor : callable
         ``images (N, C, H, W) -> (N, n)`` with autograd, e.g.
-        :func:`fl_attack.split.feature_extractor`; it must run on ``device``.
+        :func:`fl_attack.model.split.feature_extractor`; it must run on ``device``.
     input_shape : (C, H, W)
         One image's shape in the model's input space.
     bounds : (lo, hi)

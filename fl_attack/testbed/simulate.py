@@ -2,8 +2,8 @@
 
 This module is framework-free (torch + Opacus only) so that the experiments and the Flower
 ClientApp run *the same* local training. The server-side attack never sees the client's data; it
-only sees the weights the client sends back (see :mod:`fl_attack.updates`), so what matters here is
-that the local training is exactly what a real client runs:
+only sees the weights the client sends back (see :mod:`fl_attack.model.updates`), so what
+matters here is that the local training is exactly what a real client runs:
 
 * ``fedsgd``: one SGD step of the mean cross-entropy on the whole batch, so ``W0 - W1 = lr * grad``.
 * ``fedavg``: ``epochs`` passes of plain SGD over mini-batches (SPEAR App. F); the weight delta
@@ -186,7 +186,8 @@ def local_update(
     """Run one client's local training from the global ``model`` and return the new weights.
 
     The passed ``model`` is never modified (it is deep-copied), so the caller keeps the global
-    weights ``W0`` to form the update ``W0 - W_E`` (:func:`fl_attack.updates.weight_update_pair`).
+    weights ``W0`` to form the update ``W0 - W_E``
+    (:func:`fl_attack.model.updates.weight_update_pair`).
     Training runs on the model's device and dtype (inputs are cast to it).
 
     Args:

@@ -1,0 +1,272 @@
+"""The steps that produce candidates: one SPEAR++ round, one SPEAR round, face splitting, the
+neighbour search and the completion of missing columns. Each adds what it finds to the pool.
+
+Every step is a function of the search's context (read only), its state and its pool
+(:mod:`fl_attack.solver.state`, :mod:`fl_attack.solver.pool`), and looks at the budget
+(``ctx.clock``) between units of work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fl_attack.core.columns import dedupe, normalize_columns, zero_mask
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState
+from fl_attack.steps import completion, faces, polish, sampling, search
+
+
+def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+    """One SPEAR++ round (SPEAR++ §4.2, §4.4): optimise K random starts of φ(L q) on the sphere
+    as one batch, round them to exact kernels, split the faces they reveal.
+
+    Once columns are trusted, the starts lie in the complement of the deflated columns
+    (``cfg.deflate``), where the missing columns' basins are. On wide layers every second
+    round uses the other optimiser, and later rounds add IRLS rounding
+    (``AttackConfig.wide_layer_search``).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the round's candidates go to the pool, faces seen to the state.
+    """
+    cfg, B, clock = ctx.cfg, ctx.B, ctx.clock
+    dtype = torch.float32 if cfg.search_dtype == "float32" else torch.float64
+    t0 = time.perf_counter()
+    use = cfg.deflate and ctx.complement_restarts and state.trusted is not None
+    trusted = state.deflated if use else None
+    deflate = trusted is not None and 0 < trusted.shape[1] < B
+    sought = B - trusted.shape[1] if deflate and trusted is not None else B
+    K = cfg.n_init or max(ctx.tuning.starts_floor, ctx.tuning.starts_per_column * sought)
+    if deflate:
+        assert trusted is not None
+        init = search.random_complement(trusted, K, generator=ctx.generator, dtype=dtype,
+                                        device=ctx.device)
+    else:
+        init = search.random_sphere(K, B, generator=ctx.generator, dtype=dtype,
+                                    device=ctx.device)
+    optimizer = cfg.optimizer
+    alternate, irls = cfg.wide_layer_search(ctx.L.shape[0])
+    if alternate and state.rounds % 2 == 0:  # the other optimiser finds other minima
+        optimizer = "pgd" if optimizer == "radam" else "radam"
+    lr = cfg.lr if optimizer == cfg.optimizer else None
+    Qopt = search.optimise_on_sphere(
+        ctx.L.to(dtype), init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
+        milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
+        objective=ctx.objective(), deadline=clock.deadline,
+    )
+    Qopt = normalize_columns(Qopt.double())
+    Qopt = Qopt[:, dedupe(Qopt, ctx.tuning.minima_dedupe)]  # most starts share a few minima
+    clock.tick("search", t0)
+    t0 = time.perf_counter()
+    if cfg.polish and irls and deflate and not clock.expired():
+        Qopt = torch.cat([Qopt, polish.irls_round(ctx.L, Qopt, deadline=clock.deadline)], dim=1)
+        clock.tick("irls", t0)
+        t0 = time.perf_counter()
+    if not cfg.polish:
+        Qp = Qopt.double()
+        zeros = zero_mask(ctx.L @ Qp, ctx.zero_rtol).sum(dim=0)
+        clock.tick("polish", t0)
+        pool.add(Qp, zeros)
+        return
+    n_rows = ctx.n_rows()
+    Qp, zeros, face_dim, lev = polish_within_budget(ctx, Qopt, n_rows)
+    Qopt = Qopt[:, :Qp.shape[1]]
+    pool.add(Qp, zeros, lev)
+    in_face = torch.nonzero(face_dim > 1).squeeze(1)
+    vertices = torch.nonzero((face_dim == 1) & (zeros >= ctx.min_zeros)
+                             & (lev >= cfg.max_leverage)).squeeze(1)
+    clock.tick("polish", t0)
+    t0 = time.perf_counter()
+    split_faces(ctx, state, pool, Qopt.double()[:, in_face], n_rows)
+    split_faces(ctx, state, pool, Qp[:, vertices], n_rows, vertex=True)
+    clock.tick("faces", t0)
+
+
+def polish_within_budget(ctx: SearchContext, Q: torch.Tensor, n_rows: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``polish.polish`` of the first columns of ``Q`` (B, K) that the time budget allows.
+
+    Without ``max_seconds`` all at once; with it in chunks of ``Tuning.polish_chunk`` columns,
+    each column being polished on its own, until the budget runs out (at least one chunk).
+    Unpolished directions are no candidates, so the rest is dropped. Returns what
+    ``polish.polish`` returns, for the first K' ≤ K columns.
+    """
+    L, rtol, clock = ctx.L, ctx.zero_rtol, ctx.clock
+    if clock.deadline is None:
+        return polish.polish(L, Q, n_rows=n_rows, zero_rtol=rtol)
+    chunk = ctx.tuning.polish_chunk
+    parts = []
+    for start in range(0, Q.shape[1], chunk):
+        if start > 0 and clock.expired():
+            break
+        parts.append(polish.polish(L, Q[:, start:start + chunk], n_rows=n_rows, zero_rtol=rtol))
+    if not parts:
+        return polish.polish(L, Q, n_rows=n_rows, zero_rtol=rtol)
+    Qp, zeros, face_dim, lev = (torch.cat(xs, dim=-1) for xs in zip(*parts, strict=True))
+    return Qp, zeros, face_dim, lev
+
+
+def spear_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+    """One SPEAR sampling step (SPEAR §3.3, §5.1): kernels of ``cfg.samples_per_step`` random
+    (B-1)-row submatrices of L, batched; the sparse ones are polished and pooled.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; ``state.samples`` counts the submatrices drawn.
+    """
+    cfg, B, L, clock = ctx.cfg, ctx.B, ctx.L, ctx.clock
+    t0 = time.perf_counter()
+    S = min(cfg.samples_per_step, cfg.max_samples - state.samples)
+    rows = sampling.random_row_subsets(L.shape[0], B - 1, S, generator=ctx.generator)
+    C, rank_ok = sampling.submatrix_kernels(L, rows.to(L.device))
+    state.samples += S
+    zeros = zero_mask(L @ C, ctx.zero_rtol).sum(dim=0)
+    keep = rank_ok & (zeros >= ctx.min_zeros)
+    clock.tick("search", t0)
+    if bool(keep.any()):
+        t0 = time.perf_counter()
+        Qp, zeros, _, lev = polish.polish(L, C[:, keep], n_rows=ctx.n_rows(),
+                                          zero_rtol=ctx.zero_rtol)
+        pool.add(Qp, zeros, lev)
+        clock.tick("polish", t0)
+
+
+def split_faces(ctx: SearchContext, state: SearchState, pool: CandidatePool, Q: torch.Tensor,
+                n_rows: int, vertex: bool = False, deadline: float | None = None) -> None:
+    """Split each new face among ``Q`` (B, k) into its sparsest directions (``faces``).
+
+    ``Q`` are directions inside a face (a kernel of dimension > 1 on their smallest rows) or,
+    with ``vertex``, vertices of one (single kernels with a zero row of leverage 1). At most
+    ``cfg.max_faces`` new faces (by default ``Tuning.faces_small`` for B ≤
+    ``Tuning.small_batch``, else ``Tuning.faces_large``), until ``deadline`` (by default the
+    search's).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the faces seen are remembered in ``state.faces_seen``.
+    Q : (B, k)
+        Directions in faces or, with ``vertex``, vertices of faces.
+    n_rows
+        Rows of the first polishing pass (``SearchContext.n_rows``).
+    vertex
+        Whether ``Q`` are vertices.
+    deadline
+        A ``time.perf_counter()`` value, or None for the search's deadline.
+    """
+    cfg, L, rtol, tuning = ctx.cfg, ctx.L, ctx.zero_rtol, ctx.tuning
+    found = []
+    budget = cfg.max_faces or (tuning.faces_small if ctx.B <= tuning.small_batch
+                               else tuning.faces_large)
+    if budget > 0 and Q.shape[1] and not ctx.clock.expired(deadline):
+        # bases and keys come in batches (faces.candidate_faces), the faces in column order
+        for N, key in faces.candidate_faces(L, Q, n_rows=n_rows, zero_rtol=rtol,
+                                            max_leverage=cfg.max_leverage,
+                                            max_dim=cfg.max_face_dim, vertex=vertex):
+            if budget <= 0 or ctx.clock.expired(deadline):
+                break
+            if key in state.faces_seen:
+                continue
+            state.faces_seen.add(key)
+            budget -= 1
+            Qf, _ = faces.split_face(L, N, zero_rtol=rtol, generator=ctx.generator)
+            if Qf.shape[1]:
+                found.append(Qf)
+    if found:
+        Qp, zeros, _, lev = polish.polish(L, torch.cat(found, dim=1), n_rows=n_rows,
+                                          zero_rtol=rtol)
+        pool.add(Qp, zeros, lev)
+
+
+def neighbour_search(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+    """After round 1: seeds for columns hidden next to the pool's (their zero rows restricted
+    search, ``faces.conditional_directions``), split as faces; within
+    ``Tuning.neighbour_share`` of the budget (half of it for the seeds).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; the seeds come from the pool's columns.
+    """
+    clock, share = ctx.clock, ctx.tuning.neighbour_share
+    t0 = time.perf_counter()
+    limit = clock.from_now(share)
+    seeds = faces.conditional_directions(ctx.L, pool.columns, zero_rtol=ctx.zero_rtol,
+                                         generator=ctx.generator,
+                                         deadline=clock.from_now(share / 2))
+    split_faces(ctx, state, pool, seeds, ctx.n_rows(), deadline=limit)
+    clock.tick("neighbours", t0)
+
+
+def complete(ctx: SearchContext, state: SearchState, pool: CandidatePool,
+             found: torch.Tensor) -> bool:
+    """Complete the columns missing from ``found`` (B, F) from W and b (``completion``) and
+    pool the candidates; False when nothing is left to try for this found set.
+
+    The exact completion runs once per found set of 1-3 missing columns (it gives up on 3 when
+    the cells are too many), with the span of 2-3 missing columns whose samples' patterns nest
+    (``completion.missing_face``); the sampled one up to ``Tuning.slice_patience`` times per found
+    set and round when 2 or more are missing. For FedAvg sums, where the exact one does not
+    apply (a sum keeps only part of a sample's W₀ pattern as zeros), the sampled one also runs
+    once for a single missing column; under noise both run once for 1-3 missing columns (a
+    pre-activation near 0 may take the wrong sign, the most negative rows avoid those).
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search; ``state.completed`` counts the calls per found set.
+    found : (B, F)
+        The trusted columns.
+
+    Returns
+    -------
+    bool
+        Whether a completion ran (False: nothing left to try for this found set).
+    """
+    count = found.shape[1]
+    missing = ctx.B - count
+    cfg = ctx.cfg
+    if missing < 1 or ctx.system.WR is None or not cfg.polish:
+        return False
+    exact, sampled = (missing, count, -1), (missing, count, state.rounds)
+    t0 = time.perf_counter()
+    exact_ok = not ctx.system.subset
+    once = missing <= 3 if exact_ok else missing == 1 and bool(cfg.slice_samples)
+    if once and exact not in state.completed:
+        state.completed[exact] = 1
+        Qc = missing_candidates(ctx, found, sampled=not exact_ok)
+        if exact_ok and ctx.row_noise is not None and cfg.slice_samples:
+            Qc = torch.cat([Qc, missing_candidates(ctx, found, sampled=True)], dim=1)
+        face = None if not exact_ok or ctx.noisy else completion.missing_face(ctx.system, found)
+        if face is not None:  # samples whose patterns nest: their span, as candidates
+            pool.add(face, zero_mask(ctx.L @ face, ctx.zero_rtol).sum(dim=0))
+    elif (missing >= 2 and cfg.slice_samples
+          and state.completed.get(sampled, 0) < ctx.tuning.slice_patience):
+        state.completed[sampled] = state.completed.get(sampled, 0) + 1
+        Qc = missing_candidates(ctx, found, sampled=True)
+    else:
+        return False
+    if Qc.shape[1]:
+        Qp, zeros, _, lev = polish.polish(ctx.L, Qc, n_rows=ctx.n_rows(), zero_rtol=ctx.zero_rtol)
+        pool.add(Qp, zeros, lev)
+    ctx.clock.tick("complete", t0)
+    return True
+
+
+def missing_candidates(ctx: SearchContext, found: torch.Tensor, *, sampled: bool,
+                       deadline: float | None = None) -> torch.Tensor:
+    """Candidates (B, c) for the columns missing from ``found`` (B, F): the exact completion
+    (``completion.complete_missing``) or slice sampling (``completion.sample_missing``),
+    until ``deadline`` (by default the search's)."""
+    deadline = ctx.clock.deadline if deadline is None else deadline
+    if not sampled:
+        return completion.complete_missing(ctx.system, found, row_noise=ctx.row_noise,
+                                           deadline=deadline)
+    return completion.sample_missing(ctx.system, found, row_noise=ctx.row_noise,
+                                     generator=ctx.generator,
+                                     n_samples=ctx.cfg.slice_samples or 2048,
+                                     deadline=deadline)

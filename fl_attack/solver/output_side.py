@@ -1,0 +1,315 @@
+"""The output side of the attack (∂L/∂Z sparse, any layer followed by a ReLU), level by level.
+
+One level decomposes the gradient (SPEAR §3.1, SPEAR++ §4.1), builds the search's context and
+runs the search loop (:mod:`fl_attack.solver.loop`). With the next layer's gradient, verified
+samples are peeled off (:mod:`fl_attack.steps.peel`, beyond the papers) and the smaller batch
+that is left is solved the same way, starting from the upper level's candidates: the levels
+below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fl_attack.config import AttackConfig
+from fl_attack.core.clock import Clock
+from fl_attack.core.columns import normalize_columns, zero_mask
+from fl_attack.result import Reconstruction, build_reconstruction
+from fl_attack.solver import certify, loop
+from fl_attack.solver.pool import CandidatePool
+from fl_attack.solver.state import SearchContext, SearchState, relaxed, search_context
+from fl_attack.solver.untangle import untangle
+from fl_attack.steps import batch_size, peel
+from fl_attack.steps.decompose import Decomposition, decompose
+from fl_attack.steps.match import sparsity_match
+from fl_attack.steps.scale import make_system, reconstruct
+from fl_attack.steps.tolerances import exact_possible, rank_floor, tolerances
+from fl_attack.validation import LayerUpdate
+
+
+def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
+                  dec: Decomposition | None = None) -> Reconstruction:
+    """``sparse="output"``: recover the layer's inputs from the sparse columns of ∂L/∂Z.
+
+    Under noise the spectrum may allow two batch sizes (``Decomposition.readings``: the
+    singular values clear of the noise, and those merely above its edge, or fewer than an
+    explicit ``batch_size``); each is attacked with its share of the budget and the reading
+    whose reconstruction explains the update best is kept
+    (:func:`fl_attack.steps.batch_size.choose`).
+    A result with fewer samples than an explicit ``batch_size`` says how many the update did
+    not separate (``Reconstruction.merged``).
+
+    Parameters
+    ----------
+    layer
+        The validated update (``validation.load_layer``).
+    cfg
+        The attack's options.
+    seed
+        Seeds the search's random generator.
+    clock
+        The call's budget and timings.
+    dec
+        The decomposition of ``layer.weight_grad``, when the caller already has it.
+
+    Returns
+    -------
+    Reconstruction
+        ``inputs`` (B, n); certified (``exact``) when λ = 1 with all B directions and no noise.
+
+    Raises
+    ------
+    ValueError
+        When the gradient's rank does not identify a batch (``decompose.decompose``).
+    """
+    if dec is None:
+        t0 = time.perf_counter()
+        dec = decompose(layer.weight_grad, batch_size=cfg.batch_size,
+                        rank_margin=cfg.rank_margin, floor_rtol=rank_floor(layer.precision))
+        clock.tick("decompose", t0)
+    values = dec.readings()
+    if len(values) == 1:
+        rec = _invert_at(layer, cfg, seed, clock, dec)
+    else:
+        recs = []
+        for i, B in enumerate(values):
+            left = None if clock.max_seconds is None else max(
+                clock.max_seconds - clock.elapsed(), 0.0) / (len(values) - i)
+            sub = Clock(left, timings=clock.timings)
+            recs.append(_invert_at(layer, cfg, seed, sub, dec.at(B)))
+        rec = batch_size.choose(recs, layer, clock)
+    if cfg.batch_size is not None and rec.batch_size < cfg.batch_size:
+        rec.merged = cfg.batch_size - rec.batch_size
+        rec.exact = False  # the merged samples are read only as one another
+    return rec
+
+
+def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
+               dec: Decomposition) -> Reconstruction:
+    """:func:`invert_output` at one reading of the batch size (``dec``)."""
+    generator = torch.Generator().manual_seed(seed)
+    found = solve(layer.weight_grad, layer.bias_grad, layer, cfg, generator, clock, dec=dec)
+    ctx, state = found.ctx, found.state
+    if found.peeled:  # the columns of every level, in this level's coordinates
+        Q = normalize_columns(ctx.L.T @ found.columns)
+        state.match = sparsity_match(Q, ctx.system)
+    else:
+        Q = found.Q
+    got = _settle(layer, found, Q, clock)
+    lam = state.match
+    return build_reconstruction(
+        got.X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
+        sparsity_match=lam.value if lam is not None else None,
+        per_column=lam.per_column if lam is not None else None,
+        units=layer.weight_grad.shape[0],
+        chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
+        precise=exact_possible(ctx.dec),
+        noise_std=ctx.dec.noise_std, scales=got.s, rounds=found.rounds,
+        n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
+        peeled=found.peeled, stopped=found.stopped, supported=got.proven, mixed=got.mixed,
+        untangled=got.untangled,
+    )
+
+
+@dataclass
+class _Settled:
+    """The final basis as the certificate judges it, and its inputs."""
+
+    X: torch.Tensor
+    """(B, n) the inputs."""
+    s: torch.Tensor
+    """(B,) the scales."""
+    proven: bool
+    """Every column pinned, or its sample read through the next layer."""
+    mixed: tuple[tuple[int, ...], ...]
+    """The groups still read only up to a mixture."""
+    untangled: int
+
+
+def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) -> _Settled:
+    """Steps 13 and 10b: settle and judge a full clean basis (``certify.prove``; a FedAvg
+    basis is only judged, and never proven), reconstruct, and read the groups the certificate
+    names through the next layer (``untangle``). Sets the state's match to the final basis'."""
+    ctx, state = found.ctx, found.state
+    pins = None
+    if found.n_found == ctx.B and not ctx.noisy:
+        t0 = time.perf_counter()
+        if ctx.system.subset:
+            pins = certify.pinning(ctx, Q, state.match)
+        else:
+            proof = certify.prove(ctx, Q)
+            Q, state.match, pins = proof.Q, proof.lam, proof.pinning
+        clock.tick("certify", t0)
+    t0 = time.perf_counter()
+    X, s = reconstruct(Q, ctx.system)
+    clock.tick("reconstruct", t0)
+    if pins is None:
+        return _Settled(X, s, False, (), 0)
+    proven = pins.all and not ctx.system.subset
+    mixed, untangled = pins.groups, 0
+    if mixed and found.rows2 is not None and not ctx.system.subset:
+        t0 = time.perf_counter()
+        read = untangle(ctx, Q, X, mixed, found.rows2, layer.precision, clock.finish_deadline)
+        clock.tick("untangle", t0)
+        if read.groups:
+            X = X.clone()
+            X[list(read.columns)] = read.inputs.to(X)
+            mixed = tuple(g for g in mixed if g not in read.groups)
+            untangled = len(read.columns)
+            loose = torch.nonzero(~pins.pinned).squeeze(1).tolist()
+            proven = set(loose) <= set(read.columns)
+    return _Settled(X, s, proven, mixed, untangled)
+
+
+@dataclass
+class _Found:
+    """The columns of one level of the search, with the levels peeled below it."""
+
+    ctx: SearchContext
+    state: SearchState
+    Q: torch.Tensor
+    """(B, B) this level's selected columns (without peeling)."""
+    n_found: int
+    columns: torch.Tensor | None = None
+    """(m, B) every level's columns as ∂L/∂Z directions, when samples were peeled."""
+    peeled: int = 0
+    rounds: int = 0
+    n_candidates: int = 0
+    swaps: int = 0
+    exhausted: bool = False
+    stopped: str = ""
+    """Why this level's search ended (``SearchState.stopped``; with peeling, the last level's,
+    or ``"budget"`` when a level ran out of time)."""
+    rows2: torch.Tensor | None = None
+    """(B, m) the next layer's activation span (``peel.next_layer_rows``), when given."""
+
+
+def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
+          generator: torch.Generator, clock: Clock, *, dec: Decomposition,
+          rows2: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> _Found:
+    """Search the columns of (G, g); with the next layer, peel the verified samples off and
+    solve the smaller batch that is left the same way (recursively).
+
+    Parameters
+    ----------
+    G : (m, n), g : (m,)
+        This level's gradient (the layer's, less the samples peeled above).
+    layer
+        The layer (weight, bias, next layer's gradient, precision, device).
+    dec
+        This level's decomposition: the gradient's (``invert_output``, at one batch-size
+        reading) or, below the first level, the one the level above derived (``peel.reduced``).
+    rows2 : (B, m), optional
+        The next layer's activation span (computed at the first level).
+    seeds : (m, P), optional
+        The upper level's candidates as ∂L/∂Z directions; those in this level's column space
+        start its pool.
+    """
+    zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
+    system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
+                         subset=cfg.update == "fedavg")
+    ctx = search_context(cfg, dec, system, generator, layer.device, clock)
+    state, pool = SearchState(), CandidatePool(ctx)
+    B = dec.batch_size
+    rows2 = _next_layer(ctx, state, layer, rows2)
+    if seeds is not None and B > 1:
+        pool.seed(seeds)
+    if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
+        Q = torch.ones(1, 1, dtype=torch.float64, device=layer.device)
+        state.match = sparsity_match(Q, system)
+        return _Found(ctx, state, Q, 1, stopped="single")
+    while True:
+        ctx, pool, Q, n_found = _search(ctx, state, pool)
+        here = _Found(ctx, state, Q, n_found, rounds=state.rounds, n_candidates=len(pool),
+                      swaps=state.swaps, exhausted=state.exhausted, stopped=state.stopped,
+                      rows2=rows2)
+        peeled, state.peeled = state.peeled, None
+        if peeled is None:
+            return here
+        t0 = time.perf_counter()
+        F = int(peeled.verified.sum())
+        Gr, gr = peel.peel_off(G, g, dec.L, peeled)
+        sub_dec = peel.reduced(dec, peeled) if F < B else None
+        clock.tick("peel", t0)
+        if F < B and sub_dec is None:
+            warnings.warn(f"peeling {F} samples did not leave a clean rank {B - F}: the search "
+                          "goes on without peeling", stacklevel=4)
+            state.peeler = None
+            continue
+        loop.progress(ctx, "%.1fs: peeled %d verified samples through the next layer, %d left",
+                      clock.elapsed(), F, B - F)
+        here.columns, here.peeled, here.n_found = dec.L @ peeled.columns, F, F
+        if sub_dec is not None:
+            sub_cfg = (cfg if cfg.batch_size is None
+                       else dataclasses.replace(cfg, batch_size=B - F))
+            sub = solve(Gr, gr, layer, sub_cfg, generator, clock, rows2=rows2, dec=sub_dec,
+                        seeds=dec.L.to(pool.columns) @ pool.columns)
+            _merge(here, sub)
+        return here
+
+
+def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
+            ) -> tuple[SearchContext, CandidatePool, torch.Tensor, int]:
+    """``loop.search``, then, when a clean search ends without its B columns (at the round
+    cap, or starved) with budget left, a second pass with a lower zero threshold
+    (``state.relaxed``: a trained model's columns keep fewer zeros than the papers' threshold
+    asks), its pool seeded with the first's; an explicit ``AttackConfig.max_rounds`` caps
+    both passes together. Returns the context and pool of the last pass, the basis and the
+    columns found."""
+    Q, n_found = loop.search(ctx, state, pool)
+    cap = ctx.cfg.max_rounds
+    if (state.peeled is not None or state.stopped not in ("rounds", "starved")
+            or n_found == ctx.B or ctx.clock.expired()
+            or (cap is not None and state.rounds >= cap)):
+        return ctx, pool, Q, n_found
+    low = relaxed(ctx)
+    if low is None:
+        return ctx, pool, Q, n_found
+    loop.progress(ctx, "%.1fs: %d/%d directions; the search goes on with columns of %d zeros "
+                  "or more (was %d)", ctx.clock.elapsed(), n_found, ctx.B, low.min_zeros,
+                  ctx.min_zeros)
+    wide = CandidatePool(low)
+    wide.add(pool.columns, zero_mask(ctx.L @ pool.columns.to(ctx.L), ctx.zero_rtol).sum(dim=0))
+    Q, n_found = loop.search(low, state, wide)
+    return low, wide, Q, n_found
+
+
+def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
+                rows2: torch.Tensor | None) -> torch.Tensor | None:
+    """The next layer's activation span (computed once, at the first level) and the peeler
+    that uses it; nothing on noisy updates or without a next layer."""
+    B = ctx.B
+    if layer.next_weight_grad is not None and rows2 is None and not ctx.noisy and B > 1:
+        t0 = time.perf_counter()
+        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, rank_floor(layer.precision),
+                                     ctx.generator)
+        ctx.clock.tick("peel", t0)
+        if rows2 is None:
+            warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
+                          "are not peeled", stacklevel=5)
+    if rows2 is not None and not ctx.noisy:
+        dec, system, found_rows = ctx.dec, ctx.system, rows2
+        assert system.WR is not None and system.bias is not None
+        state.peeler = lambda cols, deadline: peel.recover(
+            cols, dec.L, dec.R, found_rows, system.WR, system.bias, zero_rtol=system.zero_rtol,
+            z_band=system.z_band, precision=layer.precision, deadline=deadline)
+    return rows2
+
+
+def _merge(here: _Found, sub: _Found) -> None:
+    """Add a lower level's columns and counters to this level's."""
+    assert here.columns is not None
+    sub_cols = sub.columns if sub.columns is not None else sub.ctx.L @ sub.Q
+    here.columns = torch.cat([here.columns, sub_cols], dim=1)
+    here.peeled += sub.peeled
+    here.n_found += sub.n_found
+    here.rounds += sub.rounds
+    here.n_candidates += sub.n_candidates
+    here.swaps += sub.swaps
+    here.exhausted = here.exhausted or sub.exhausted
+    here.stopped = "budget" if "budget" in (here.stopped, sub.stopped) else sub.stopped
