@@ -312,3 +312,15 @@ def test_the_privacy_gate_trips_on_what_it_names(fail_on: str, summary: dict,
         assert f"fail-on={fail_on!r}" in why and f"of {summary['attacked']}" in why
     with pytest.raises(ValueError, match="fail-on must be one of"):
         gate_failure(summary, "leaky")
+
+
+def test_a_protected_run_with_epsilon_but_no_delta_says_so(tmp_path: Path) -> None:
+    """A client that reports its ε without δ: the verdict names the DP protection and says δ is
+    not reported (a crash formatting a missing δ would lose the run's summary)."""
+    store = AuditStore(tmp_path, "eps-only")
+    store.add(ClientAudit(1, 5, partition_id=0, status="protected", protocol="dpsgd",
+                          num_examples=16, epsilon=2.0, epsilon_cumulative=2.0,
+                          reason="noise detected on the update"))
+    summary = store.finalize()
+    assert summary["epsilon"] == pytest.approx(2.0)
+    assert "δ not reported" in summary["verdict"], summary["verdict"]

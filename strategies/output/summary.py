@@ -259,8 +259,9 @@ def _protection(s: Mapping[str, Any]) -> str:
     """What protects the clients, from the protected records' reasons and the DP they report."""
     why = []
     if s.get("epsilon") is not None:
-        why.append(f"the noise the clients add (DP, ε ≤ {_eps(s['epsilon'])} at δ = "
-                   f"{s.get('delta'):g})")
+        delta = s.get("delta")
+        at = f" at δ = {float(delta):g}" if delta is not None else " (δ not reported)"
+        why.append(f"the noise the clients add (DP, ε ≤ {_eps(s['epsilon'])}{at})")
     if s.get("protected_mixing"):
         why.append(f"{s['protected_mixing']} update(s) mix more samples than the attacked layer "
                    "can separate")
