@@ -222,13 +222,15 @@ def test_without_a_covered_layer_the_reply_is_not_covered_never_an_error() -> No
 
 def test_the_leak_guard_checks_the_layer_the_server_reads() -> None:
     """The client's own check takes the same layer as the server: no crash on the layer
-    before the BatchNorm, a reconstruction of the next one."""
+    before the BatchNorm, an attack on the next one (its reconstruction, or the budget's end
+    on a loaded machine: both attacked the covered layer)."""
     torch.manual_seed(0)
     model = NormedMLP("first")
     sent = {k: v.numpy() for k, v in model.state_dict().items()}
     guard = LeakGuard("report", max_seconds=20.0, update="gradient")
     finding = guard.check(sent, reply(11, content(_step(model, *_photos(11)), 0, num=B)))
-    assert finding.status in verdicts.RECONSTRUCTED, finding
+    assert finding.status in (*verdicts.RECONSTRUCTED, verdicts.TIMEOUT), finding
+    assert finding.sparsity_match is not None, finding
 
 
 def test_integer_and_boolean_buffers_are_never_attacked_nor_corrupt(world: dict) -> None:
