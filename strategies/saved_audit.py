@@ -84,49 +84,38 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
 
     Every input is checked before anything is attacked or written: a missing or unreadable
     file, an unknown format, a pickle that is not a plain state dict, an array missing from a
-    RETURNED or of another shape, a layer the model lacks, and a bad setting raise
+    RETURNED or of another shape, a layer the model lacks and a bad setting raise
     ``ValueError`` (:class:`~fl_attack_flwr.intake.files.WeightsFileError` for a file) naming
     the file and the array, or the setting.
 
     Parameters
     ----------
     sent : path or mapping
-        The global model the server sent: a PyTorch state dict (``.pt``, ``.pth``, ``.bin``;
+        The global model the server sent: a PyTorch state dict (``.pt``, ``.pth``, ``.bin``,
         loaded with ``weights_only=True``), a NumPy ``.npz``, a ``.safetensors`` file, or a
         state dict in memory.
     returned : path, mapping, or a sequence of them
         The model each client sent back after training from ``sent``; a folder stands for the
         weight files in it. Each is one client's record, labelled by its file name.
     num_examples : int, optional
-        The samples each client trained on, when known (the ``num-examples`` a Flower reply
-        reports): the batch is then read at most at that size.
+        The samples each client trained on, when known (a Flower reply's ``num-examples``).
     layer : str, optional
         The attacked layer (``"fc1"`` or ``"fc1.weight"``); default the first linear layer
         with a bias that the attack covers, as the strategy chooses it.
-    update : {"auto", "gradient", "fedavg"}, optional
-        How to read the update (default ``settings.update``: one gradient step, then a sum of
-        local steps).
-    max_seconds : float, optional
-        Soft time budget of one attack (default ``settings.max_seconds``).
-    model : nn.Module or callable, optional
-        The clients' model (an instance, or a class or factory without arguments): pictures
-        from features where the attacked layer is not the first, the layers' order for a
-        ``.safetensors`` SENT, and the check that a ReLU follows the layer.
-    input_shape, input_transform
-        The model's ``(C, H, W)`` input and its normalisation (``(mean, std)`` or a function),
-        as ``AuditingStrategy`` takes them, to show reconstructions as pictures.
-    pixel_seconds : float
-        Budget of the pictures estimated from features, per update.
-    out : path
-        Parent of the run directory (``<out>/<run_name>/``, created owner-only).
-    run_name : str, optional
-        The run directory's name; default a fresh timestamped one.
+    update, max_seconds : optional
+        How to read the update (``"auto"``, ``"gradient"``, ``"fedavg"``) and the soft time
+        budget of one attack; default those of ``settings``.
+    model, input_shape, input_transform, pixel_seconds
+        The clients' model (an instance, or a class or factory without arguments), its input
+        shape and normalisation, and the pictures' budget, as ``AuditingStrategy`` takes them.
+        The model also gives a ``.safetensors`` SENT the order of its arrays.
+    out, run_name : optional
+        The run directory ``<out>/<run_name>/`` (default a fresh name), created owner-only.
     fail_on : {"", "certified", "readable", "reconstructed"}
-        The privacy gate: what the result's :attr:`SavedAudit.failure` reports.
-    tensorboard : bool
-        Also write the round's audit numbers as TensorBoard scalars (``fl-attack[tensorboard]``).
-    reconstructions : bool
-        ``False``: metrics only, no reconstruction is written.
+        The privacy gate: what :attr:`SavedAudit.failure` reports.
+    tensorboard, reconstructions : bool
+        The store's options: TensorBoard scalars (``fl-attack[tensorboard]``); ``False``:
+        metrics only, no reconstruction written.
     settings : AttackSettings, optional
         Further attack settings (seed, device, executor, options); ``layer``, ``update`` and
         ``max_seconds`` given here replace its own. Default: attacks run in this process.
@@ -138,29 +127,15 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
 
     Examples
     --------
-    >>> import torch
     >>> from fl_attack_flwr import audit_update
-    >>> net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3072, 200),
-    ...                           torch.nn.ReLU(), torch.nn.Linear(200, 10))
-    >>> sent = {k: v.clone() for k, v in net.state_dict().items()}
-    >>> # ... one SGD step of net on a client's batch of 16 images ...
-    >>> result = audit_update(sent, net.state_dict(), num_examples=16, out="runs")
+    >>> result = audit_update("sent.pt", ["client-1.pt", "client-2.npz"], num_examples=16)
     >>> result.verdict  # doctest: +SKIP
-    'The server reconstructed 1 of 1 client batches exactly (certified): ...'
-    >>> result.records[0].status  # doctest: +SKIP
-    'certified'
+    'The server reconstructed 2 of 2 client batches exactly (certified): ...'
+    >>> [r.status for r in result.records], result.report  # doctest: +SKIP
+    (['certified', 'certified'], PosixPath('runs/.../report.html'))
     """
-    check_fail_on(fail_on)
-    if num_examples is not None and not (isinstance(num_examples, int) and num_examples >= 1):
-        raise ValueError(f"num_examples must be a positive int or None, got {num_examples!r}")
-    base = _weights(sent, "SENT")
-    items = list(returned) if _is_sequence(returned) else [returned]
-    backs = [_weights(r, f"RETURNED-{i}") for i, r in enumerate(_expand(items), 1)]
-    base, note = _ordered(base, model)
-    for back in backs:
-        check_update(base, back)
-    settings = _settings(settings, base, layer, update, max_seconds)
-    check_layer(base, settings)
+    base, backs, settings, note = _inputs(sent, returned, num_examples, fail_on, model,
+                                          _Given(settings, layer, update, max_seconds))
     view = InputView(None, input_shape, input_transform)
     plan = None if model is None else ModelPlan(model, input_shape=view.model_shape(),
                                                  bounds=view.bounds(), max_seconds=pixel_seconds)
@@ -174,6 +149,35 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
     records = _attack_all(store, settings, plan, view, base, backs, num_examples)
     summary = store.finalize({"status": "completed"})
     return SavedAudit(store.run_dir, summary, records, gate_failure(summary, fail_on))
+
+
+@dataclass(frozen=True)
+class _Given:
+    """The attack settings as given: a whole ``AttackSettings`` and the options beside it."""
+
+    settings: AttackSettings | None
+    layer: str | None
+    update: str | None
+    max_seconds: float | None
+
+
+def _inputs(sent: Source, returned: Source | Sequence[Source], num_examples: int | None,
+            fail_on: str, model: Any,
+            given: _Given) -> tuple[Weights, list[Weights], AttackSettings, str | None]:
+    """SENT and the RETURNED read and checked, the settings, a note on the arrays' order;
+    ``ValueError`` naming the first bad input or setting."""
+    check_fail_on(fail_on)
+    if num_examples is not None and not (isinstance(num_examples, int) and num_examples >= 1):
+        raise ValueError(f"num_examples must be a positive int or None, got {num_examples!r}")
+    base = _weights(sent, "SENT")
+    items = list(returned) if _is_sequence(returned) else [returned]
+    backs = [_weights(r, f"RETURNED-{i}") for i, r in enumerate(_expand(items), 1)]
+    base, note = _ordered(base, model)
+    for back in backs:
+        check_update(base, back)
+    settings = _settings(given.settings, base, given.layer, given.update, given.max_seconds)
+    check_layer(base, settings)
+    return base, backs, settings, note
 
 
 def _attack_all(store: AuditStore, settings: AttackSettings, plan: ModelPlan | None,

@@ -269,3 +269,13 @@ def test_a_wrong_setting_fails_before_any_attack(saved: dict, tmp_path: Path, op
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and all(w in err for w in words), err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_audit_of_saved_weights_imports_no_flower() -> None:
+    """Auditing files needs no federation: the function and its intake import no ``flwr``."""
+    code = ("import sys, fl_attack_flwr.saved_audit, fl_attack_flwr.intake.files\n"
+            "flower = sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.'))\n"
+            "assert not flower, flower\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
