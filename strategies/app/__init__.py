@@ -5,5 +5,7 @@
                            wrapped in the audit, configured from the run config
 ``app.run_config``         every run-config key with its default, checked before round 1
                            (``python -m fl_attack_flwr.app.run_config`` checks overrides)
+``app.cli``                the ``fl-attack`` command: ``fl-attack audit SENT RETURNED`` audits
+                           saved weights (``saved_audit.audit_update``)
 =========================  ====================================================================
 """

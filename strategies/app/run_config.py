@@ -23,6 +23,7 @@ from fl_attack_flwr.clients.leak_guard import POLICIES
 from fl_attack_flwr.clients.partition import PARTITIONINGS
 from fl_attack_flwr.output.privacy_gate import FAIL_ON
 from fl_attack_flwr.output.store import is_run_name
+from fl_attack_flwr.output.tensorboard import require_tensorboard
 from fl_attack_flwr.settings import (
     EXECUTORS,
     MODES,
@@ -71,6 +72,7 @@ DEFAULT_RUN_CONFIG: dict[str, Any] = {
     "retain-rounds": 0,
     "fail-on": "",
     "audit-enabled": True,
+    "tensorboard": False,
 }
 
 _DATASET_SIZES = {"photos32": 2000, "photos64": 2000, "greys32": 2000, "hopper32": 2000,
@@ -297,6 +299,11 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
          "letters, digits, '.', '_', '-' (or empty for a fresh name)"),
     ]
     problems = [f"{key} must be {want}, got {cfg[key]!r}" for key, ok, want in rules if not ok]
+    if cfg["tensorboard"]:
+        try:
+            require_tensorboard()
+        except ImportError as exc:
+            problems.append(f"tensorboard = true: {exc}")
     for key, check in (("inject-faults", parse_faults), ("audit-rounds", RoundFilter),
                        ("audit-ray-resources", parse_resources), ("audit-model", model_factory)):
         try:

@@ -86,7 +86,8 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
     store = AuditStore(Path(str(cfg["output-dir"])).expanduser(),
                        str(cfg["run-name"]) or None, config=cfg,
                        reconstructions=bool(cfg["store-reconstructions"]),
-                       retain_rounds=int(cfg["retain-rounds"]) or None)
+                       retain_rounds=int(cfg["retain-rounds"]) or None,
+                       tensorboard=bool(cfg["tensorboard"]))
     log(INFO, "[audit] writing to %s", store.run_dir)
     fedavg = FedAvg(fraction_train=float(cfg["fraction-train"]),
                     fraction_evaluate=float(cfg["fraction-evaluate"]),

@@ -15,7 +15,6 @@ defined in :mod:`fl_attack_flwr.wire`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import random
 from dataclasses import dataclass
@@ -26,16 +25,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from fl_attack_flwr import verdicts, wire
 from fl_attack_flwr.intake.facts import ReplyFacts
-from fl_attack_flwr.jobs.build import AttackJob, attack_job
-from fl_attack_flwr.jobs.layers import LayerChoice, Passed
-from fl_attack_flwr.jobs.model_plan import LayerPlan, ModelPlan
+from fl_attack_flwr.intake.update import Work, array_problem, keys_problem, update_work
+from fl_attack_flwr.jobs.model_plan import ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.settings import AttackSettings
 
-Work = AttackJob | AttackOutcome
-"""What to do with a reply: attack this job, or record this outcome (nothing to attack)."""
-
-log = logging.getLogger("flwr")
+__all__ = ["Intake", "Work", "aggregate_intake", "corrupt_reason", "reply_intake",
+           "sample_replies"]
 
 
 @dataclass(frozen=True)
@@ -197,12 +193,9 @@ def corrupt_reason(reply: Message, global_arrays: ArrayRecord | None,
         return f"expected exactly one ArrayRecord, got {len(content.array_records)}"
     record = next(iter(content.array_records.values()))
     if global_arrays is not None:
-        missing = sorted(set(global_arrays.keys()) - set(record.keys()))
-        extra = sorted(set(record.keys()) - set(global_arrays.keys()))
-        if missing:
-            return f"missing arrays {missing}"
-        if extra:
-            return f"unexpected arrays {extra}"
+        reason = keys_problem(global_arrays.keys(), record.keys())
+        if reason is not None:
+            return reason
     for key, arr in record.items():
         reason = _array_problem(key, arr, global_arrays)
         if reason is not None:
@@ -227,16 +220,8 @@ def _array_problem(key: str, arr: Any, global_arrays: ArrayRecord | None) -> str
         value = arr.numpy()
     except Exception as exc:  # noqa: BLE001 - undecodable payload
         return f"array {key!r} cannot be decoded: {exc}"
-    if global_arrays is not None:
-        want = tuple(global_arrays[key].shape)
-        if tuple(value.shape) != want:
-            return f"array {key!r} has shape {tuple(value.shape)}, expected {want}"
-    real = np.issubdtype(value.dtype, np.number) and not np.iscomplexobj(value)
-    if not (real or value.dtype == np.bool_):  # FedAvg's weighted sum takes ints and bools
-        return f"array {key!r} is not real numeric (dtype {value.dtype})"
-    if not np.isfinite(value).all():
-        return f"array {key!r} contains NaN or inf"
-    return None
+    want = None if global_arrays is None else tuple(global_arrays[key].shape)
+    return array_problem(key, value, want)
 
 
 # ---------------------------------------------------------------------------- what is attacked
@@ -244,62 +229,13 @@ def _array_problem(key: str, arr: Any, global_arrays: ArrayRecord | None) -> str
 
 def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
               returned: ArrayRecord) -> tuple[ReplyFacts, Work]:
-    """The attack job of ``sent -> returned``; an outcome that says why when there is none."""
-    try:
-        if sent is None:
-            raise ValueError("the server has no record of the arrays it sent this node")
-        g_state = {k: v.numpy() for k, v in sent.items()}
-        n_state = {k: v.numpy() for k, v in returned.items()}
-        model = ctx.model
-        plan_of = None if model is None else (lambda key: model.layer(key, g_state))
-        target, work = attack_job(g_state, n_state, ctx.settings, label=facts.client_label,
-                                  server_round=facts.server_round, node_id=facts.node_id,
-                                  num_examples=facts.num_examples or None, plan_of=plan_of)
-        layer = target.layer
-        facts = dataclasses.replace(
-            facts, passed_over=[p.as_dict() for p in target.passed] or None,
-            layer=layer.weight_key, layer_shape=list(layer.shape))
-        if not target.covered:
-            return facts, work
-        plan = None if plan_of is None else plan_of(layer.weight_key)
-        facts = dataclasses.replace(
-            facts, reads="inputs" if layer.first_is_linear else "features",
-            inputs_are=_what_is_read(layer, plan, target.passed) or facts.inputs_are)
-        if isinstance(work, AttackOutcome):
-            return facts, work
-        if plan is not None and not layer.first_is_linear and model is not None:
-            work = dataclasses.replace(work, pixels=model.task(plan, g_state, n_state,
-                                                               ctx.settings.seed))
-    except ValueError as exc:
-        return facts, AttackOutcome(verdicts.ATTACK_ERROR, error=str(exc))
-    log.info("[audit] round %d, %s: attacking %s %s (read as %s)", facts.server_round,
-             facts.client_label, layer.weight_key, layer.shape, " then ".join(work.readings))
-    return facts, work
-
-
-def _what_is_read(layer: LayerChoice, plan: LayerPlan | None,
-                  passed: list[Passed]) -> str | None:
-    """The note on what the reconstructions are, for a layer that is not the model's first."""
-    if layer.first_is_linear:
-        return None
-    name = layer.weight_key.removesuffix(".weight")
-    head = (f"The attacked layer {name} is not the model's first layer: what the attack "
-            "recovers (and certifies) are its input features, not the raw inputs.")
-    if passed:
-        skipped = ", ".join(p.layer.removesuffix(".weight") for p in passed)
-        head = (f"Not covered: {skipped} ({passed[0].reason}). The audit attacked {name}, the "
-                "first layer after it that it covers: what the attack recovers (and certifies) "
-                f"are {name}'s input features, the output of the block before it, not the raw "
-                "inputs.")
-    if plan is None:
-        return head + (" Pass the model to the audit (AuditingStrategy(..., model=Net)) to "
-                       "estimate pictures from them.")
-    if plan.error is not None or plan.input_shape is None:
-        why = plan.error or "its input shape could not be found (pass input_shape=(C, H, W))"
-        return head + f" No pictures: {why}."
-    return head + (" The pictures are estimated from them by feature inversion through the "
-                   "model's earlier layers (fl_attack.pixels): an approximation, scored "
-                   "separately.")
+    """The attack job of ``sent -> returned`` (:func:`~fl_attack_flwr.intake.update.update_work`);
+    an outcome that says why when there is none."""
+    if sent is None:
+        return facts, AttackOutcome(verdicts.ATTACK_ERROR, error="the server has no record of "
+                                    "the arrays it sent this node")
+    return update_work(ctx.settings, ctx.model, facts, {k: v.numpy() for k, v in sent.items()},
+                       {k: v.numpy() for k, v in returned.items()})
 
 
 def _same(a: ArrayRecord, b: ArrayRecord) -> bool:

@@ -22,6 +22,8 @@ Layout of ``<output-dir>/<run-name>/``::
                                      and evaluation metrics); a round's last line holds all
     summary.json                     totals and the verdict
     report.html                      verdict, images beside originals, tables, plots (inline)
+    tensorboard/                     with ``tensorboard=True``: each round's audit numbers as
+                                     TensorBoard scalars (:mod:`fl_attack_flwr.output.tensorboard`)
 
 Nothing in this module imports Flower: the strategy hands it plain
 :class:`~fl_attack_flwr.results.records.ClientAudit` records.
@@ -52,6 +54,12 @@ from fl_attack_flwr.output.private_files import (
 )
 from fl_attack_flwr.output.report import render_report
 from fl_attack_flwr.output.summary import summarize
+from fl_attack_flwr.output.tensorboard import (
+    ROUND_KEY,
+    RoundScalars,
+    require_tensorboard,
+    round_scalars,
+)
 from fl_attack_flwr.results.records import ClientAudit
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -103,11 +111,19 @@ class AuditStore:
         later round is stored, the pictures and raw inputs of older rounds are deleted (their
         metrics stay), and the report shows only the rounds kept. ``None``: keep every round.
         Deleting unlinks the files; it does not scrub the disk blocks they occupied.
+    tensorboard : bool
+        Also write each round's audit numbers (updates read, certified, samples readable, λ,
+        ε where known, attack seconds) as TensorBoard scalars under ``tensorboard/``, one step
+        per round, when the round's audit is done. Needs the ``tensorboard`` package (the extra
+        ``fl-attack[tensorboard]``): without it ``ImportError`` names the extra, before the
+        run directory is created.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str] = "runs", run_name: str | None = None,
                  *, config: Mapping[str, Any] | None = None, reconstructions: bool = True,
-                 retain_rounds: int | None = None) -> None:
+                 retain_rounds: int | None = None, tensorboard: bool = False) -> None:
+        if tensorboard:
+            require_tensorboard()
         if retain_rounds is not None and not (isinstance(retain_rounds, int)
                                               and retain_rounds >= 1):
             raise ValueError(f"retain_rounds must be a positive int or None, got "
@@ -133,6 +149,8 @@ class AuditStore:
         atomic_write_bytes(self.run_dir / "config.json", dumps(self.config, indent=2).encode())
         for name in ("metrics.jsonl", "rounds.jsonl"):  # exist even with no line
             atomic_write_bytes(self.run_dir / name, b"")
+        self.scalars = RoundScalars(self.run_dir) if tensorboard else None
+        """The TensorBoard writer (``None`` without ``tensorboard``)."""
 
     def client_dir(self, record: ClientAudit) -> Path:
         """Create (``0700``) and return a fresh directory for ``record``.
@@ -217,6 +235,8 @@ class AuditStore:
         entry = self.rounds.setdefault(int(server_round), {})
         entry.update(jsonable(dict(info)))
         append_line(self.run_dir / "rounds.jsonl", dumps({"round": int(server_round), **entry}))
+        if self.scalars is not None and ROUND_KEY in info:
+            self.scalars.write(server_round, round_scalars(self.records, server_round, info))
 
     def finalize(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write ``summary.json`` and ``report.html``; return the summary."""
@@ -229,4 +249,6 @@ class AuditStore:
         atomic_write_bytes(self.run_dir / "summary.json", dumps(summary, indent=2).encode())
         page = render_report(summary, self.records, self.rounds, self.config)
         atomic_write_bytes(self.run_dir / "report.html", page.encode())
+        if self.scalars is not None:
+            self.scalars.close()
         return summary
