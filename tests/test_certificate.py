@@ -17,6 +17,7 @@ import torch
 import fl_attack
 from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.solver import certify
+from fl_attack.steps import select
 from fl_attack.steps.decompose import decompose
 from fl_attack.testbed import data, metrics, models, views
 from strategies import verdicts
@@ -212,3 +213,34 @@ def test_given_a_batch_size_the_noisy_spectrum_reads_fewer_of_both_readings_are_
     assert rec.batch_size in (free.batch_size, 20) and not rec.exact
     assert rec.batch_size + rec.merged == 20
     assert rec.batch_size_readings == (free.batch_size, 20)
+
+
+def test_a_near_copy_of_a_column_is_never_proven(real_batch, output_side) -> None:
+    """A basis holding a sample's column twice, the second mixed with a little of another
+    sample (what swaps produced on a trained model's update, whose weak samples barely move
+    a strong column's zeros): the certificate does not prove it, and settling it leaves a
+    finite basis."""
+    t = real_batch("photos32", 20, 200, seed=0)
+    side = output_side(t.G, t.g, t.W, t.b)
+    Qt = side.basis(t.D)
+    a = side.most_similar(Qt)[0]
+    Q = Qt.clone()
+    Q[:, a] = normalize_columns(Qt[:, :1] + 1e-6 * Qt[:, a:a + 1])[:, 0]
+    proof = certify.prove(side.ctx, Q)
+    assert not proof.pinning.all
+    assert bool(torch.isfinite(proof.Q).all())
+
+
+def test_a_swap_never_puts_a_spare_within_the_tolerance_of_the_others_span() -> None:
+    """The best swap by the score is refused when its pivot |a_i| (the spare's coordinate on
+    the column it replaces) is below that column's ``min_pivot``: the spare would lie closer
+    to the other columns' span than the selection's tolerance (a near-copy of a column)."""
+    A = torch.tensor([[1e-5, 0.9], [0.6, 0.3], [0.8, 0.3]], dtype=torch.float64)
+
+    def trial(u, i, a_i, ok, ratio):  # prefers the smallest pivot: a near-copy
+        return 1.0 / a_i.abs()[0]
+
+    assert select.best_swap(A, trial, base=0.0, positions=3, chunk=64) == (0, 0)
+    chosen = select.best_swap(A, trial, base=0.0, positions=3, chunk=64,
+                              min_pivot=torch.full((3,), 1e-3, dtype=torch.float64))
+    assert chosen is not None and abs(float(A[chosen[1], chosen[0]])) > 1e-3

@@ -146,6 +146,7 @@ def finish(ctx: SearchContext, state: SearchState,
             Q, spare, select.OutputSwaps(ctx.system, Q, spare),
             max_swaps=cfg.max_swaps, positions=cfg.swap_positions,
             deadline=clock.finish_deadline,
+            span_tol=max(1e-8, ctx.tuning.selection_tol * ctx.zero_rtol),
         )
     else:
         state.match = match.sparsity_match(Q, ctx.system)
@@ -345,11 +346,24 @@ def prove(ctx: SearchContext, Q: torch.Tensor) -> Proof:
     settle = (first.margins > KERNEL_MARGIN) & torch.isfinite(first.residuals)
     if bool(settle.any()):
         fitted = torch.where(settle[None, :], first.kernels.to(Q), Q)
+        if not _independent(ctx, fitted):  # two columns settled on one kernel
+            return Proof(Q=Q, lam=lam, pinning=first)
         lam_fit = match.sparsity_match(fitted, ctx.system)
         if lam is None or (lam_fit is not None and lam_fit.value >= lam.value):
             Q, lam = fitted, lam_fit
             first = pinning(ctx, Q, lam)
     return Proof(Q=Q, lam=lam, pinning=first)
+
+
+def _independent(ctx: SearchContext, Q: torch.Tensor) -> bool:
+    """Whether every column of ``Q`` (B, B) lies farther from the span of the others than the
+    selection's tolerance (``Tuning.selection_tol`` zero tolerances; stage 1's rule): the
+    distance of unit column i to the others' span is 1 / ‖row i of Q⁻¹‖."""
+    inv, info = torch.linalg.inv_ex(Q / Q.norm(dim=0, keepdim=True))
+    if int(info) != 0 or not bool(torch.isfinite(inv).all()):
+        return False
+    tol = max(1e-8, ctx.tuning.selection_tol * ctx.zero_rtol)
+    return float(1.0 / inv.norm(dim=1).max()) > tol
 
 
 def _kernels(ctx: SearchContext, Q: torch.Tensor, rows: torch.Tensor

@@ -76,6 +76,7 @@ def best_swap(
     positions: int,
     chunk: int,
     deadline: float | None = None,
+    min_pivot: torch.Tensor | None = None,
 ) -> tuple[int, int] | None:
     """The best (spare u, column i) swap by ``trial``'s score, or None if none beats ``base``.
 
@@ -87,6 +88,8 @@ def best_swap(
     output-side and the input-side greedy selections, which differ only in that score.
     Past ``deadline`` (a ``time.perf_counter()`` value) no further chunk starts: the best
     swap among the trials made is returned (any swap that beats ``base`` improves λ).
+    ``min_pivot`` (B,): the smallest usable |a_i| per column (a spare that would lie closer to
+    the span of the other columns than the selection's tolerance is the same up to noise).
     """
     c = A.shape[1]
     r = min(positions, A.shape[0])
@@ -102,6 +105,8 @@ def best_swap(
         a = A[:, u]  # (B, p)
         a_i = a.gather(0, i[None])  # (1, p)
         ok = a_i.abs() > 1e-10
+        if min_pivot is not None:
+            ok &= a_i.abs() > min_pivot[i][None]
         ratio = a / torch.where(ok, a_i, torch.ones_like(a_i))  # (B, p)
         total = trial(u, i, a_i, ok, ratio)
         total[~ok[0]] = -1.0
@@ -143,6 +148,7 @@ def swap_greedily(
     positions: int = 6,
     chunk_elems: int = 2**25,
     deadline: float | None = None,
+    span_tol: float = 0.0,
 ) -> tuple[torch.Tensor, Any, int]:
     """Stage 2 (SPEAR §4.2): best-improvement swaps of columns of ``Q`` (B, B) for ``spare``
     candidates (B, c), for either side of the attack (``scorer``).
@@ -158,6 +164,12 @@ def swap_greedily(
     deadline
         A ``time.perf_counter()`` value: past it no new swap is searched, and the one being
         searched keeps the best trial so far. Each swap raises λ, so stopping early is safe.
+    span_tol
+        A spare goes in only if its distance to the span of the other columns exceeds this
+        (stage 1's rule: closer directions are the same up to noise). Without it a swap can
+        put a column's near-copy beside it: on a trained model's update, whose weakest
+        samples sit near the rounding, a strong sample's column mixed with a weak one's keeps
+        λ rising while Q becomes nearly singular and every sample's solve goes wrong.
 
     Returns
     -------
@@ -174,8 +186,11 @@ def swap_greedily(
         if passed(deadline):
             break
         coords, trial = scorer.trials(Q, spare, match)
+        # the distance of column i to the others' span is 1 / ‖row i of Q⁻¹‖ (unit columns)
+        min_pivot = span_tol * torch.linalg.inv(Q).norm(dim=1) if span_tol > 0 else None
         best = best_swap(coords, trial, base=scorer.total(match), positions=positions,
-                         chunk=max(1, chunk_elems // (m * B)), deadline=deadline)
+                         chunk=max(1, chunk_elems // (m * B)), deadline=deadline,
+                         min_pivot=min_pivot)
         if best is None:
             break
         u_sel, i_sel = best
