@@ -249,7 +249,8 @@ def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
     score = metrics.score_batch(rec.inputs / scale, features / scale, shared=rec.merged > 0)
     kept = ~stats.below_rounding
     return BatchResult(float(score.psnr[kept].mean()), rec.exact, rec.sparsity_match,
-                       rec.n_directions, seconds, rec.stopped, None, stats)
+                       rec.n_directions, seconds, rec.stopped, None, stats,
+                       int(stats.below_rounding.sum()))
 
 
 def run_cnn(args: argparse.Namespace, src: Labelled, B: int = 8) -> None:
