@@ -35,6 +35,15 @@ def dedupe(Q: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
     return torch.nonzero(~dup).squeeze(1)
 
 
+def span_distances(Q: torch.Tensor) -> torch.Tensor | None:
+    """(B,) each unit column's distance to the span of the other columns of the square ``Q``:
+    1 / ‖row i of Q⁻¹‖. None when ``Q`` is singular (or its inverse overflows)."""
+    inv, info = torch.linalg.inv_ex(Q)
+    if int(info) != 0 or not bool(torch.isfinite(inv).all()):
+        return None
+    return 1.0 / inv.norm(dim=1)
+
+
 def pattern_keys(mask: torch.Tensor) -> list[bytes]:
     """Hashable keys of the boolean columns of ``mask`` (m, K), one per column: the zero
     pattern of a candidate, to remember what was already tried for it."""

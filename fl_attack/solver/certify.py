@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_attack.core.columns import dedupe, pattern_keys, zero_mask
+from fl_attack.core.columns import (
+    dedupe,
+    normalize_columns,
+    pattern_keys,
+    span_distances,
+    zero_mask,
+)
 from fl_attack.solver import violations
 from fl_attack.solver.candidates import missing_candidates
 from fl_attack.solver.pool import CandidatePool, Selection
@@ -146,7 +152,7 @@ def finish(ctx: SearchContext, state: SearchState,
             Q, spare, select.OutputSwaps(ctx.system, Q, spare),
             max_swaps=cfg.max_swaps, positions=cfg.swap_positions,
             deadline=clock.finish_deadline,
-            span_tol=max(1e-8, ctx.tuning.selection_tol * ctx.zero_rtol),
+            span_tol=ctx.span_tol,
         )
     else:
         state.match = match.sparsity_match(Q, ctx.system)
@@ -356,14 +362,10 @@ def prove(ctx: SearchContext, Q: torch.Tensor) -> Proof:
 
 
 def _independent(ctx: SearchContext, Q: torch.Tensor) -> bool:
-    """Whether every column of ``Q`` (B, B) lies farther from the span of the others than the
-    selection's tolerance (``Tuning.selection_tol`` zero tolerances; stage 1's rule): the
-    distance of unit column i to the others' span is 1 / ‖row i of Q⁻¹‖."""
-    inv, info = torch.linalg.inv_ex(Q / Q.norm(dim=0, keepdim=True))
-    if int(info) != 0 or not bool(torch.isfinite(inv).all()):
-        return False
-    tol = max(1e-8, ctx.tuning.selection_tol * ctx.zero_rtol)
-    return float(1.0 / inv.norm(dim=1).max()) > tol
+    """Whether every column of ``Q`` (B, B) lies farther from the span of the others than
+    ``SearchContext.span_tol`` (stage 1's rule)."""
+    dist = span_distances(normalize_columns(Q))
+    return dist is not None and float(dist.min()) > ctx.span_tol
 
 
 def _kernels(ctx: SearchContext, Q: torch.Tensor, rows: torch.Tensor

@@ -95,9 +95,7 @@ class CandidatePool:
     def select(self) -> Selection:
         """Stage 1: the sparsest columns that increase the rank, completed to a basis."""
         ctx = self.ctx
-        # directions closer than this to the span of chosen ones are the same up to noise
-        tol = max(1e-8, ctx.tuning.selection_tol * ctx.zero_rtol)
-        idx, count = select.stage1(self.columns, ctx.B, tol=tol)
+        idx, count = select.stage1(self.columns, ctx.B, tol=ctx.span_tol)
         Q = select.complete_basis(self.columns[:, idx], ctx.B)
         rest = torch.ones(self.columns.shape[1], dtype=torch.bool, device=self.columns.device)
         rest[idx] = False

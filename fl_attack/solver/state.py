@@ -71,6 +71,13 @@ class SearchContext:
         return self.system.zero_rtol
 
     @property
+    def span_tol(self) -> float:
+        """A unit direction closer than this to the span of the selected columns is the same
+        up to noise (``Tuning.selection_tol`` zero tolerances, at least 1e-8): stage 1 does not
+        take it, a swap does not put it in, the certificate does not settle on it."""
+        return max(1e-8, self.tuning.selection_tol * self.zero_rtol)
+
+    @property
     def complement_restarts(self) -> bool:
         """Whether ``cfg.deflate`` applies (later rounds start orthogonal to found columns);
         the input side's sign-aware loss has other basins and restarts uniformly."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from fl_attack.core.clock import passed
-from fl_attack.core.columns import zero_mask
+from fl_attack.core.columns import span_distances, zero_mask
 from fl_attack.steps.match import Match, ambiguous, matches, sparsity_match
 from fl_attack.steps.scale import LayerSystem
 
@@ -186,8 +186,12 @@ def swap_greedily(
         if passed(deadline):
             break
         coords, trial = scorer.trials(Q, spare, match)
-        # the distance of column i to the others' span is 1 / ‖row i of Q⁻¹‖ (unit columns)
-        min_pivot = span_tol * torch.linalg.inv(Q).norm(dim=1) if span_tol > 0 else None
+        min_pivot = None
+        if span_tol > 0:  # the spare's distance to the others' span is |a_i| x column i's
+            dist = span_distances(Q)
+            if dist is None:
+                break
+            min_pivot = span_tol / dist
         best = best_swap(coords, trial, base=scorer.total(match), positions=positions,
                          chunk=max(1, chunk_elems // (m * B)), deadline=deadline,
                          min_pivot=min_pivot)
