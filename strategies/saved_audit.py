@@ -11,7 +11,6 @@ reconstructions, ``summary.json``, ``report.html``) and the privacy gate
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import time
@@ -37,6 +36,7 @@ from fl_attack_flwr.intake.files import (
 from fl_attack_flwr.intake.update import as_arrays
 from fl_attack_flwr.jobs.model_plan import ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.pixels import build_model
 from fl_attack_flwr.output.privacy_gate import check_fail_on, gate_failure
 from fl_attack_flwr.output.store import AuditStore
 from fl_attack_flwr.results.pictures import InputView
@@ -243,18 +243,12 @@ def _ordered(sent: Weights, model: Any) -> tuple[Weights, str | None]:
             "(--model) where that is not the model's order.")
     if model is not None:
         try:
-            own = [k for k in _instance(model).state_dict() if k in sent.arrays]
+            own = [k for k in build_model(model).state_dict() if k in sent.arrays]
         except Exception as exc:  # noqa: BLE001 - a model that does not build is the user's
             raise ValueError(f"model {_name(model)} cannot be built: {exc}") from None
         keys = own + [k for k in keys if k not in own]
         note = None
     return dataclasses.replace(sent, arrays={k: sent.arrays[k] for k in keys}), note
-
-
-def _instance(model: Any) -> Any:
-    import torch
-
-    return copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model()
 
 
 def _name(model: Any) -> str:

@@ -64,13 +64,22 @@ class PixelOutcome:
     """How the model's BatchNorms were set to the batch's statistics (``None``: it has none)."""
 
 
-def load_model(spec: Any, state: Mapping[str, np.ndarray]) -> Any:
-    """A fresh model of ``spec`` (instance or factory) holding the weights ``state``."""
+def build_model(spec: Any) -> Any:
+    """A fresh ``nn.Module`` from ``spec``: a copy of an instance, or what a class or factory
+    without arguments builds; ``ValueError`` when that is no ``nn.Module``."""
     import torch
 
     model = copy.deepcopy(spec) if isinstance(spec, torch.nn.Module) else spec()
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be an nn.Module or build one, got {type(model).__name__}")
+    return model
+
+
+def load_model(spec: Any, state: Mapping[str, np.ndarray]) -> Any:
+    """A fresh model of ``spec`` (instance or factory) holding the weights ``state``."""
+    import torch
+
+    model = build_model(spec)
     tensors = {k: torch.as_tensor(np.array(v)) for k, v in state.items()}
     model.load_state_dict(tensors, strict=True)
     return model.float().eval()
