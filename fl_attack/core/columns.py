@@ -9,9 +9,51 @@ from __future__ import annotations
 import torch
 
 
+class ColumnNoiseRtol(float):
+    """A zero tolerance relative to each column's largest entry (the float's value) that also
+    knows the noise on each column of ``V = L q``, and tightens the test column by column.
+
+    A trained model's update holds samples whose contributions differ by 10⁴ or more; the
+    weakest are known only to the rounding's precision, so the batch-wide tolerance must be
+    loose (``tolerances.default_zero_rtol``). Applied to a strong column, that loose test takes
+    its small true entries for zeros, and a mixture of it with weak columns then passes as
+    sparse. The noise on the entries of ``L q`` is ``‖q ⊙ ν/s‖`` (``filtering.noise_scales``),
+    small for a strong column and large for a weak one, so an entry counts as zero below
+    ``sd`` such noise stds, kept between ``floor`` and the batch-wide value.
+
+    Arithmetic on it gives a plain float: derived tolerances (the ambiguous band, eigenvalue
+    tolerances) keep the batch-wide value.
+    """
+
+    basis: torch.Tensor
+    """(m, B) the orthonormal L of the decomposition."""
+    row_noise: torch.Tensor
+    """(B,) ν / s_j, the noise on each column of L."""
+    floor: float
+    """The least relative tolerance (the float precision's)."""
+    sd: float
+    """Noise stds within which an entry counts as zero."""
+
+    def __new__(cls, rtol: float, basis: torch.Tensor, row_noise: torch.Tensor, floor: float,
+                sd: float) -> ColumnNoiseRtol:
+        self = super().__new__(cls, rtol)
+        self.basis, self.row_noise, self.floor, self.sd = basis, row_noise, floor, sd
+        return self
+
+    def thresholds(self, V: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """(1, K) the absolute zero threshold of each column of ``V`` = L Q (maxima ``scale``)."""
+        Q = self.basis.to(V).T @ V
+        noise = (Q * self.row_noise.to(V)[:, None]).norm(dim=0, keepdim=True)
+        loose = torch.minimum(self.sd * noise, float(self) * scale)
+        return torch.maximum(self.floor * scale, loose)
+
+
 def zero_mask(V: torch.Tensor, rtol: float) -> torch.Tensor:
-    """Entries of each column of ``V`` (m, K) that are numerically zero relative to its max."""
+    """Entries of each column of ``V`` (m, K) that are numerically zero relative to its max
+    (per column under a :class:`ColumnNoiseRtol`, when ``V`` has its basis' rows)."""
     scale = V.abs().amax(dim=0, keepdim=True).clamp_min(torch.finfo(V.dtype).tiny)
+    if isinstance(rtol, ColumnNoiseRtol) and V.shape[0] == rtol.basis.shape[0]:
+        return V.abs() <= rtol.thresholds(V, scale)
     return V.abs() <= rtol * scale
 
 

@@ -28,7 +28,12 @@ from fl_attack.steps import batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.match import sparsity_match
 from fl_attack.steps.scale import make_system, reconstruct
-from fl_attack.steps.tolerances import exact_possible, rank_floor, tolerances
+from fl_attack.steps.tolerances import (
+    column_zero_rtol,
+    exact_possible,
+    rank_floor,
+    tolerances,
+)
 from fl_attack.validation import LayerUpdate
 
 
@@ -211,6 +216,7 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         start its pool.
     """
     zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
+    zero_rtol = column_zero_rtol(zero_rtol, dec, cfg, layer.precision, layer.device)
     system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
                          subset=cfg.update == "fedavg")
     ctx = search_context(cfg, dec, system, generator, layer.device, clock)

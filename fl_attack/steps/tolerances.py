@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from fl_attack.config import AttackConfig
+from fl_attack.core.columns import ColumnNoiseRtol
 from fl_attack.core.tuning import TUNING
 from fl_attack.steps.decompose import Decomposition
 
@@ -26,12 +27,28 @@ the relative error of L), capped at :data:`ZERO_CAP`."""
 
 ZERO_CAP = 0.1
 
+ZERO_SD = 5.0
+"""Per-column zero test of a clean update with weak samples (:func:`column_zero_rtol`): an
+entry of L q counts as zero within this many stds of the noise on L q. On MNIST models trained
+3000 steps (tuning data, ``experiments/results/training.md``) the true zero rows of the columns
+the update holds lie within 3-33 stds and their non-zero entries beyond 47 (a few weak columns
+excepted); 3-100 gave the same batches, 5 the best mean."""
+
 Z_BAND = {torch.float32: 1e-5, torch.float64: 1e-10}
 """Relative band around a pre-activation of 0 within which its sign is rounding error (λ)."""
 
 FLOAT32_STORED = 1e-11
 """A float64 gradient whose (B+1)-th singular value exceeds this fraction of the largest holds
 float32-precision numbers (a noise floor above float64 rounding) and is treated as float32."""
+
+
+def effective_precision(dec: Decomposition, precision: torch.dtype) -> torch.dtype:
+    """``precision``, or float32 for float64 storage of float32-precision numbers
+    (:data:`FLOAT32_STORED`)."""
+    S, B = dec.singular_values, dec.batch_size
+    if precision == torch.float64 and B < S.numel() and S[B] > FLOAT32_STORED * S[0]:
+        return torch.float32
+    return precision
 
 
 def rank_floor(precision: torch.dtype) -> float:
@@ -65,9 +82,7 @@ def tolerances(dec: Decomposition, cfg: AttackConfig,
         m, n = dec.L.shape[0], dec.R.shape[1]
         dec.noise_std = float(cfg.noise)
         dec.noise_edge = float(cfg.noise) * (m**0.5 + n**0.5)
-    S, B = dec.singular_values, dec.batch_size
-    if precision == torch.float64 and B < S.numel() and S[B] > FLOAT32_STORED * S[0]:
-        precision = torch.float32
+    precision = effective_precision(dec, precision)
     zero_rtol = cfg.zero_rtol or default_zero_rtol(precision, dec)
     z_band = Z_BAND[torch.float32] if precision == torch.float32 else Z_BAND[torch.float64]
     return zero_rtol, z_band
@@ -111,6 +126,23 @@ def row_noise(dec: Decomposition, device: torch.device) -> torch.Tensor:
     """ν / s_j (B,): the noise on each column of L (``filtering.noise_scales``)."""
     S = dec.singular_values[:dec.batch_size].to(device=device, dtype=torch.float64)
     return dec.noise_std / S.clamp_min(torch.finfo(S.dtype).tiny)
+
+
+def column_zero_rtol(zero_rtol: float, dec: Decomposition, cfg: AttackConfig,
+                     precision: torch.dtype, device: torch.device) -> float:
+    """The zero test of the output side's search: ``zero_rtol`` tightened per column to
+    :data:`ZERO_SD` noise stds (:class:`~fl_attack.core.columns.ColumnNoiseRtol`) when the
+    update is one clean gradient (not :func:`noisy_update`, whose search scales its own trust
+    by the noise; not a FedAvg sum, whose columns keep small entries where a unit was active at
+    some local steps), the tolerance is the default and is looser than the precision's floor
+    (weak samples near the rounding). Otherwise ``zero_rtol`` itself."""
+    precision = effective_precision(dec, precision)
+    floor = ZERO_FLOOR[torch.float64] if precision == torch.float64 else ZERO_FLOOR[torch.float32]
+    if (cfg.zero_rtol is not None or cfg.update != "gradient" or noisy_update(dec)
+            or zero_rtol <= floor):
+        return zero_rtol
+    L = dec.L.to(device=device, dtype=torch.float64)
+    return ColumnNoiseRtol(zero_rtol, L, row_noise(dec, device), floor, ZERO_SD)
 
 
 def default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
