@@ -26,7 +26,10 @@ below the row's threshold: for ``fedsgd`` those whose least-squares reconstructi
 is below 90 dB, because their contribution sits within a few orders of the float32 rounding;
 otherwise those whose contribution is below the rounding itself. They are left out of the
 batch's PSNR and counted. For ``fedsgd`` the ceiling column is the share of batches whose
-every sample's ceiling passes 90 dB.
+every sample's ceiling passes 90 dB, and the span oracle's the share read (the same mean over
+the same samples) by an attack that finds every column the update's span holds exactly: the
+true columns of the strongest samples, as many as the rank the attack read, projected onto
+that span.
 
     python -m experiments.bench_training --source mnist --settings 20x200 --protocols fedsgd
     python -m experiments.bench_training --source mixed32 --steps 0,100,1000,3000
@@ -60,7 +63,7 @@ COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", 
            "% certified", "median λ", "found (median)", "median s", "stopped",
            "grad-norm spread (median)", "zeros/column (min-median)", "always-on / off units",
            "closest pair differs on", "samples held below the threshold",
-           "ceiling % (true ∂L/∂Z)")
+           "ceiling % (true ∂L/∂Z)", "span oracle % (true columns in the update's span)")
 DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
 READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "dpsgd": 25.0}
 
@@ -118,6 +121,9 @@ class BatchResult:
     stats: training_stats.UpdateStats
     unheld: int
     """Samples the update holds below the row's threshold (left out of ``psnr``)."""
+    span_oracle: float | None = None
+    """FedSGD: the batch's mean PSNR over the same samples from the update's span at the
+    attack's rank reading with the true columns (:func:`_span_oracle`)."""
 
 
 def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tensor,
@@ -154,9 +160,12 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     elif protocol == "fedsgd":
         held = _fedsgd_ceiling(model, dw, xb, yb, src)
         kept, ceiling = held > READ_DB[protocol], float(held.min())
+        span = _span_oracle(model, dw, db, xb, yb, src, rec.batch_size)
     return BatchResult(float(score.psnr[kept].mean()) if bool(kept.any()) else 0.0, rec.exact,
                        rec.sparsity_match, rec.n_directions, seconds, rec.stopped, ceiling,
-                       stats, int((~kept).sum()))
+                       stats, int((~kept).sum()),
+                       float(span[kept].mean()) if protocol == "fedsgd" and bool(kept.any())
+                       else None)
 
 
 def _images(xn: torch.Tensor, src: Labelled) -> torch.Tensor:
@@ -182,6 +191,28 @@ def _fedsgd_ceiling(model: nn.Module, dw: torch.Tensor, xb: torch.Tensor, yb: to
     return metrics.psnr(images, truth)
 
 
+def _span_oracle(model: nn.Module, dw: torch.Tensor, db: torch.Tensor, xb: torch.Tensor,
+                 yb: torch.Tensor, src: Labelled, rank: int) -> torch.Tensor:
+    """Per-sample PSNR (B,) read from the update's span as SPEAR reads it (X = Q⁻¹ Lᵀ ΔW over
+    the scales Q⁻¹ Lᵀ Δb), with Q the exact projections of the ``rank`` strongest samples'
+    true ∂L/∂Z columns onto the top-``rank`` left singular vectors; the others score 0.
+
+    An attack that finds every column its span holds reads this much: the weak samples'
+    contributions inside the span, unknown to the strong ones' columns, bound it below the
+    ceiling (:func:`_fedsgd_ceiling`, which knows every column)."""
+    D, _ = training_stats.output_grad(model, xb, yb)
+    X = xb.reshape(xb.shape[0], -1).double()
+    top = torch.argsort(D.norm(dim=0) * X.norm(dim=1), descending=True)[:rank]
+    U = torch.linalg.svd(dw.double(), full_matrices=False)[0][:, :rank]
+    Q = U.T @ D[:, top]
+    s = torch.linalg.solve(Q, U.T @ db.double())
+    Xh = torch.linalg.solve(Q, U.T @ dw.double()) / s[:, None]
+    out = torch.zeros(xb.shape[0], dtype=torch.float32)
+    images = data.denormalize(Xh.float().reshape(-1, *src.shape), src.name)
+    out[top] = metrics.psnr(images, _images(xb, src)[top]).float()
+    return out
+
+
 def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: float,
         results: list[BatchResult]) -> list[object]:
     """The table row of one (setting, protocol, K)."""
@@ -190,6 +221,7 @@ def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: f
     lams = [r.lam for r in results if r.lam is not None]
     st = [r.stats for r in results]
     ceilings = [r.ceiling for r in results if r.ceiling is not None]
+    spans = [r.span_oracle for r in results if r.span_oracle is not None]
     stops = Counter(r.stopped for r in results)
     return [src.name, label, B, m, protocol, K, f"{100 * acc:.0f}%", n,
             f"{100 * read / n:.0f}", f"{100 * sum(r.exact for r in results) / n:.0f}",
@@ -203,7 +235,9 @@ def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: f
             f"{statistics.median(s.always_off for s in st):.0f}",
             min(s.closest for s in st), sum(r.unheld for r in results),
             f"{100 * sum(c > READ_DB[protocol] for c in ceilings) / len(ceilings):.0f}"
-            if ceilings else "—"]
+            if ceilings else "—",
+            f"{100 * sum(s > READ_DB[protocol] for s in spans) / len(spans):.0f}"
+            if spans else "—"]
 
 
 def run_mlp(args: argparse.Namespace, src: Labelled, B: int, m: int) -> None:
