@@ -517,3 +517,21 @@ def test_rank_under_a_noise_bulk_that_is_not_flat() -> None:
     assert float(s[19] / s[20]) < 1e3  # no cliff: the noise route decides
     rank, est, _ = estimate_rank(s, 1000, 800, max_rank=800)
     assert rank == 20 and abs(est / nu - 1) < 0.05
+
+
+def test_a_drop_ends_the_signal_only_above_a_rounding_bulk() -> None:
+    """A trained model's spectrum drops 2000x after its dominant sample and goes on falling,
+    sample by sample, to the rounding (the quickstart CNN's fc1 after 3000 steps): the drop is
+    not the end of the signal, every value above the rounding floor is a sample. The same
+    drop onto a flat bulk ends it."""
+    from fl_attack.steps.decompose import estimate_rank
+
+    gen = torch.Generator().manual_seed(0)
+    bulk = 3e-8 * (1 + 0.5 * torch.rand(112, generator=gen, dtype=torch.float64))
+    samples = torch.tensor([1.0, 5e-4, 1e-5, 4e-6, 2e-6, 1.5e-6, 1e-7, 9e-8], dtype=torch.float64)
+    s = torch.cat([samples, bulk]).sort(descending=True).values
+    rank, _, _ = estimate_rank(s, 120, 400, floor_rtol=1e-6, max_rank=120)
+    assert rank == 6  # the samples above the float32 floor, not the 1 before the drop
+    flat = torch.cat([samples[:1], 1e3 * bulk]).sort(descending=True).values
+    assert float(flat[0] / flat[1]) > 1e3
+    assert estimate_rank(flat, 120, 400, floor_rtol=1e-6, max_rank=120)[0] == 1

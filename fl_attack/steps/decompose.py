@@ -75,6 +75,21 @@ this and ``rank_margin`` edges a direction is plausible but noisy; the attack tr
 readings (``output_side.invert_output``)."""
 
 
+CLIFF_BULK = 100.0
+"""A drop of three orders of magnitude ends the signal only when the values below it look like
+a rounding bulk: the largest within this factor of their median (a noise bulk spans
+ν(√m ± √n), a few times). A trained model's per-sample contributions spread over 10⁴-10⁶, so
+its spectrum can drop 10³ after its dominant sample and go on falling, sample by sample, down
+to the rounding (the quickstart CNN's fc1 after 3000 steps: 1, 5·10⁻⁴, 10⁻⁵, 4·10⁻⁶, ...)."""
+
+
+def _bulk_below(s: torch.Tensor, r: int) -> bool:
+    """Whether the singular values from index ``r`` on look like a rounding bulk
+    (:data:`CLIFF_BULK`)."""
+    tail = s[r:]
+    return float(tail[0]) <= CLIFF_BULK * float(tail.median())
+
+
 def estimate_rank(
     s: torch.Tensor, m: int, n: int, *, margin: float = 2.0, floor_rtol: float = 1e-13,
     max_rank: int | None = None,
@@ -85,7 +100,7 @@ def estimate_rank(
     live part, as :func:`decompose` does): their singular values are exact zeros, and the drop
     to them would be read as the end of the signal.
 
-    A clean spectrum (a first drop of 1000x or more, down to rounding level, or no flat noise
+    A clean spectrum (a first drop of 1000x or more, down to a rounding bulk, or no flat noise
     bulk at the bottom) gives the count above that drop / the rounding floor. Otherwise the
     noise is estimated by iterating ν² = tail energy / ((m-k)(n-k)); k = #{σ > margin · ν(√m+√n)}.
     A spectrum with ``max_rank`` (the live rows/columns: full rank) or more values above the
@@ -101,8 +116,9 @@ def estimate_rank(
     floor = float(s[0]) * floor_rtol
     ratio = s[:-1] / s[1:].clamp_min(float(s[0]) * 1e-300)
     cliff = torch.nonzero((ratio > 1e3) & (s[:-1] > floor)).squeeze(1)
+    cliff = cliff[[_bulk_below(s, int(c) + 1) for c in cliff.tolist()]]
     forced = False
-    if cliff.numel():  # the first drop of three orders of magnitude ends the signal
+    if cliff.numel():  # the first drop of three orders of magnitude to a bulk ends the signal
         r = int(cliff[0]) + 1
         clean = True
     else:
