@@ -3,6 +3,7 @@ the verdict and the report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -214,6 +215,13 @@ def test_the_verdict_answers_the_auditors_question() -> None:
     assert mixed["verdict_level"] == "leak"
     assert "1 of 4" in mixed["verdict"] and "2 of 4 updates were protected" in mixed["verdict"]
     assert "1 timeout" in mixed["verdict"]
+
+    uncertified = _summary_of([dataclasses.replace(_record(1, k, gt=True, rng=rng),
+                                                   status="not-certified", exact=False)
+                               for k in range(2)])
+    assert uncertified["verdict"].startswith(
+        "The server reconstructed 2 of 2 client batches, without a certificate; 2 of the 2 "
+        "scored reconstructions are recognisable")
 
     nothing = _summary_of([ClientAudit(1, 1, status="client-error", error="x")])
     assert nothing["verdict_level"] == "none" and "No update was attacked" in nothing["verdict"]

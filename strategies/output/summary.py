@@ -215,13 +215,13 @@ def _read_sentences(s: Mapping[str, Any]) -> list[str]:
         out.append(_pictures_sentence(s))
     uncert = s["not_certified"] + s["partial"]
     if uncert:
-        if s["scored"]:
-            out.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
-                       f"without a certificate; {s['readable']} of the {s['scored']} scored "
-                       f"reconstructions are recognisable (PSNR > {READABLE_DB:.0f} dB).")
-        else:
-            out.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
-                       "without a certificate (no ground truth to say how close).")
+        lead = (f"{uncert} more {'was' if uncert == 1 else 'were'}" if out
+                else f"The server reconstructed {uncert} of {attacked} client batches,")
+        how = (f"; {s['readable']} of the {s['scored']} scored reconstructions are "
+               f"recognisable (PSNR > {READABLE_DB:.0f} dB)." if s["scored"]
+               else " (no ground truth to say how close).")
+        out.append(f"{lead} reconstructed without a certificate{how}" if out
+                   else f"{lead} without a certificate{how}")
     return out
 
 
