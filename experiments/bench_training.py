@@ -158,9 +158,10 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     if protocol == "fedavg":
         ceiling = _fedavg_ceiling(dw, xb, src)
     elif protocol == "fedsgd":
-        held = _fedsgd_ceiling(model, dw, xb, yb, src)
+        D, _ = training_stats.output_grad(model, xb, yb)
+        held = _fedsgd_ceiling(D, dw, xb, src)
         kept, ceiling = held > READ_DB[protocol], float(held.min())
-        span = _span_oracle(model, dw, db, xb, yb, src, rec.batch_size)
+        span = _span_oracle(D, dw, db, xb, src, rec.batch_size)
     return BatchResult(float(score.psnr[kept].mean()) if bool(kept.any()) else 0.0, rec.exact,
                        rec.sparsity_match, rec.n_directions, seconds, rec.stopped, ceiling,
                        stats, int((~kept).sum()),
@@ -180,19 +181,19 @@ def _fedavg_ceiling(dw: torch.Tensor, xb: torch.Tensor, src: Labelled) -> float:
     return least_squares_psnr(Z, dw, _images(xb, src), src.name)
 
 
-def _fedsgd_ceiling(model: nn.Module, dw: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor,
+def _fedsgd_ceiling(D: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
                     src: Labelled) -> torch.Tensor:
-    """Per-sample PSNR (B,) of X = D⁺ ΔW from the true ∂L/∂Z D (float64) and the float32
-    gradient: what the update holds of each sample, whatever finds the columns."""
-    D, _ = training_stats.output_grad(model, xb, yb)
+    """Per-sample PSNR (B,) of X = D⁺ ΔW from the true ∂L/∂Z D (float64,
+    ``training_stats.output_grad``) and the float32 gradient: what the update holds of each
+    sample, whatever finds the columns."""
     Xh = torch.linalg.pinv(D) @ dw.double()
     images = data.denormalize(Xh.float().reshape(-1, *src.shape), src.name)
     truth = _images(xb, src)
     return metrics.psnr(images, truth)
 
 
-def _span_oracle(model: nn.Module, dw: torch.Tensor, db: torch.Tensor, xb: torch.Tensor,
-                 yb: torch.Tensor, src: Labelled, rank: int) -> torch.Tensor:
+def _span_oracle(D: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, xb: torch.Tensor,
+                 src: Labelled, rank: int) -> torch.Tensor:
     """Per-sample PSNR (B,) read from the update's span as SPEAR reads it (X = Q⁻¹ Lᵀ ΔW over
     the scales Q⁻¹ Lᵀ Δb), with Q the exact projections of the ``rank`` strongest samples'
     true ∂L/∂Z columns onto the top-``rank`` left singular vectors; the others score 0.
@@ -200,7 +201,6 @@ def _span_oracle(model: nn.Module, dw: torch.Tensor, db: torch.Tensor, xb: torch
     An attack that finds every column its span holds reads this much: the weak samples'
     contributions inside the span, unknown to the strong ones' columns, bound it below the
     ceiling (:func:`_fedsgd_ceiling`, which knows every column)."""
-    D, _ = training_stats.output_grad(model, xb, yb)
     X = xb.reshape(xb.shape[0], -1).double()
     top = torch.argsort(D.norm(dim=0) * X.norm(dim=1), descending=True)[:rank]
     U = torch.linalg.svd(dw.double(), full_matrices=False)[0][:, :rank]

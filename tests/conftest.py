@@ -34,7 +34,7 @@ from fl_attack.solver.state import SearchContext, search_context
 from fl_attack.steps import match, polish
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.scale import LayerSystem, make_system, reconstruct
-from fl_attack.steps.tolerances import column_zero_rtol, rank_floor, tolerances
+from fl_attack.steps.tolerances import output_tolerances, rank_floor
 from fl_attack.testbed import data, metrics, models
 from fl_attack.validation import load_layer
 
@@ -197,8 +197,7 @@ def make_output_side(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None = 
     layer = load_layer(G, g, W, b, None, "cpu", cfg)
     dec = decompose(layer.weight_grad, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
                     floor_rtol=rank_floor(layer.precision))
-    zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
-    zero_rtol = column_zero_rtol(zero_rtol, dec, cfg, layer.precision, layer.device)
+    zero_rtol, z_band = output_tolerances(dec, cfg, layer.precision, layer.device)
     system = make_system(dec.L, dec.R, layer.bias_grad, layer.weight, layer.bias, zero_rtol,
                          z_band, subset=cfg.update == "fedavg")
     ctx = search_context(cfg, dec, system, torch.Generator().manual_seed(0), layer.device,

@@ -28,12 +28,7 @@ from fl_attack.steps import batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.match import sparsity_match
 from fl_attack.steps.scale import make_system, reconstruct
-from fl_attack.steps.tolerances import (
-    column_zero_rtol,
-    exact_possible,
-    rank_floor,
-    tolerances,
-)
+from fl_attack.steps.tolerances import exact_possible, output_tolerances, rank_floor
 from fl_attack.validation import LayerUpdate
 
 
@@ -215,8 +210,7 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         The upper level's candidates as ∂L/∂Z directions; those in this level's column space
         start its pool.
     """
-    zero_rtol, z_band = tolerances(dec, cfg, layer.precision)
-    zero_rtol = column_zero_rtol(zero_rtol, dec, cfg, layer.precision, layer.device)
+    zero_rtol, z_band = output_tolerances(dec, cfg, layer.precision, layer.device)
     system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
                          subset=cfg.update == "fedavg")
     ctx = search_context(cfg, dec, system, generator, layer.device, clock)

@@ -28,7 +28,7 @@ the relative error of L), capped at :data:`ZERO_CAP`."""
 ZERO_CAP = 0.1
 
 ZERO_SD = 5.0
-"""Per-column zero test of a clean update with weak samples (:func:`column_zero_rtol`): an
+"""Per-column zero test of a clean update with weak samples (:func:`output_tolerances`): an
 entry of L q counts as zero within this many stds of the noise on L q. On MNIST models trained
 3000 steps (tuning data) the true zero rows of the columns the update holds lie within 3-33
 stds and their non-zero entries beyond 47 (a few weak columns excepted). At B = 20, 10 batches,
@@ -129,21 +129,26 @@ def row_noise(dec: Decomposition, device: torch.device) -> torch.Tensor:
     return dec.noise_std / S.clamp_min(torch.finfo(S.dtype).tiny)
 
 
-def column_zero_rtol(zero_rtol: float, dec: Decomposition, cfg: AttackConfig,
-                     precision: torch.dtype, device: torch.device) -> float:
-    """The zero test of the output side's search: ``zero_rtol`` tightened per column to
+def output_tolerances(dec: Decomposition, cfg: AttackConfig, precision: torch.dtype,
+                      device: torch.device) -> tuple[float, float]:
+    """:func:`tolerances` for the output side's search: the zero test tightened per column to
     :data:`ZERO_SD` noise stds (:class:`~fl_attack.core.columns.ColumnNoiseRtol`) when the
     update is one clean gradient (not :func:`noisy_update`, whose search scales its own trust
     by the noise; not a FedAvg sum, whose columns keep small entries where a unit was active at
     some local steps), the tolerance is the default and is looser than the precision's floor
-    (weak samples near the rounding). Otherwise ``zero_rtol`` itself."""
-    precision = effective_precision(dec, precision)
-    floor = ZERO_FLOOR[torch.float64] if precision == torch.float64 else ZERO_FLOOR[torch.float32]
+    (weak samples near the rounding). Otherwise :func:`tolerances` itself."""
+    zero_rtol, z_band = tolerances(dec, cfg, precision)
+    floor = zero_floor(effective_precision(dec, precision))
     if (cfg.zero_rtol is not None or cfg.update != "gradient" or noisy_update(dec)
             or zero_rtol <= floor):
-        return zero_rtol
+        return zero_rtol, z_band
     L = dec.L.to(device=device, dtype=torch.float64)
-    return ColumnNoiseRtol(zero_rtol, L, row_noise(dec, device), floor, ZERO_SD)
+    return ColumnNoiseRtol(zero_rtol, L, row_noise(dec, device), floor, ZERO_SD), z_band
+
+
+def zero_floor(precision: torch.dtype) -> float:
+    """:data:`ZERO_FLOOR` for numbers of ``precision`` (float32 for any coarser type)."""
+    return ZERO_FLOOR[torch.float64] if precision == torch.float64 else ZERO_FLOOR[torch.float32]
 
 
 def default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
@@ -153,5 +158,4 @@ def default_zero_rtol(precision: torch.dtype, dec: Decomposition) -> float:
     weight updates) the entries of a true zero row scatter like the perturbation of L, about
     noise edge / σ_B (:data:`NOISE_ZERO`).
     """
-    base = ZERO_FLOOR[torch.float64] if precision == torch.float64 else ZERO_FLOOR[torch.float32]
-    return min(max(base, NOISE_ZERO * noise_ratio(dec)), ZERO_CAP)
+    return min(max(zero_floor(precision), NOISE_ZERO * noise_ratio(dec)), ZERO_CAP)

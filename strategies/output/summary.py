@@ -215,13 +215,15 @@ def _read_sentences(s: Mapping[str, Any]) -> list[str]:
         out.append(_pictures_sentence(s))
     uncert = s["not_certified"] + s["partial"]
     if uncert:
-        lead = (f"{uncert} more {'was' if uncert == 1 else 'were'}" if out
-                else f"The server reconstructed {uncert} of {attacked} client batches,")
         how = (f"; {s['readable']} of the {s['scored']} scored reconstructions are "
                f"recognisable (PSNR > {READABLE_DB:.0f} dB)." if s["scored"]
                else " (no ground truth to say how close).")
-        out.append(f"{lead} reconstructed without a certificate{how}" if out
-                   else f"{lead} without a certificate{how}")
+        if out:
+            out.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
+                       f"without a certificate{how}")
+        else:
+            out.append(f"The server reconstructed {uncert} of {attacked} client batches, "
+                       f"without a certificate{how}")
     return out
 
 
