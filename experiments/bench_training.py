@@ -137,7 +137,8 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
 
     lin = models.linear_layers(model)[0]
     w0, b0 = lin.weight.detach(), lin.bias.detach()
-    stats = training_stats.update_stats(model, xb, yb)
+    grads = training_stats.output_grad(model, xb, yb)
+    stats = training_stats.update_stats(model, xb, yb, grads)
     ceiling, options = None, {}
     if protocol == "fedsgd":
         dw, db = models.first_layer_gradients(model, xb, yb)
@@ -164,7 +165,7 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     if protocol == "fedavg":
         ceiling = _fedavg_ceiling(dw, xb, src)
     elif protocol == "fedsgd":
-        D, _ = training_stats.output_grad(model, xb, yb)
+        D = grads[0]
         held = _fedsgd_ceiling(D, dw, xb, src)
         kept, ceiling = held > READ_DB[protocol], float(held.min())
         span = _span_oracle(D, dw, db, xb, src, rec.batch_size)
@@ -282,8 +283,8 @@ def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
     dw, db = view.update("fc1.weight"), view.update("fc1.bias")
     w0, b0 = view.before["fc1.weight"], view.before["fc1.bias"]
     stats = training_stats.update_stats(model, xb, yb)
-    t0 = time.perf_counter()
     dw2 = view.update("fc2.weight").float() if next_layer else None
+    t0 = time.perf_counter()
     rec = fl_attack.invert(dw.float(), db.float(), weight=w0, bias=b0, seed=seed,
                            max_seconds=max_seconds, next_weight_grad=dw2)
     seconds = time.perf_counter() - t0

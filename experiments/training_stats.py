@@ -56,10 +56,12 @@ def output_grad(model: nn.Module, xn: torch.Tensor, y: torch.Tensor,
     return D.detach().double().T, outs[0].detach().double().T
 
 
-def update_stats(model: nn.Module, xn: torch.Tensor, y: torch.Tensor) -> UpdateStats:
+def update_stats(model: nn.Module, xn: torch.Tensor, y: torch.Tensor,
+                 grads: tuple[torch.Tensor, torch.Tensor] | None = None) -> UpdateStats:
     """:class:`UpdateStats` of the first linear layer's update of the batch ``xn``, ``y``
-    (its inputs are the pixels of an MLP, the features of a CNN's ``fc1``)."""
-    D, Z = output_grad(model, xn, y)
+    (its inputs are the pixels of an MLP, the features of a CNN's ``fc1``); ``grads`` is
+    :func:`output_grad` of the batch when the caller already has it."""
+    D, Z = output_grad(model, xn, y) if grads is None else grads
     X = models.layer_inputs(model, xn).double()
     contrib = D.norm(dim=0) * X.norm(dim=1)
     top = float(contrib.max())
