@@ -10,6 +10,7 @@ LOSSES = ("l1", "logcosh", "l4")
 OPTIMIZERS = ("radam", "pgd")
 SPARSE_SIDES = ("output", "input", "auto")
 UPDATES = ("gradient", "fedavg")
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 FEDAVG_TAU = 0.2
 """Default τ for ``update="fedavg"``: the zero fraction a column must show (see ``update``)."""
 DEFAULT_MAX_SECONDS = 120.0
@@ -47,6 +48,10 @@ class AttackConfig:
     ``"gradient"`` (``experiments/results/fedavg.md``). Not for noisy sums: with DP-SGD noise every
     zero within the noise tolerance passes the inclusion test and λ stops choosing between
     candidates (``experiments/results/dp.md``); clipping alone works with both."""
+    weights_dtype: str | None = None
+    """The dtype the client stores its weights in (``"float32"``, ``"float16"``, ``"bfloat16"``,
+    ``"float64"``) when ``weight_grad`` is ``W₀ - W_E``: the rounding of storing W_E is then
+    never read as samples (:func:`fl_attack.steps.tolerances.rounding_edge`). Needs ``weight``."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
@@ -203,6 +208,8 @@ class AttackConfig:
         _choice("method", self.method, METHODS)
         _choice("sparse", self.sparse, SPARSE_SIDES)
         _choice("update", self.update, UPDATES)
+        if self.weights_dtype is not None:
+            _choice("weights_dtype", self.weights_dtype, WEIGHT_DTYPES)
         _choice("loss", self.loss, LOSSES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("search_dtype", self.search_dtype, ("float32", "float64"))

@@ -10,6 +10,7 @@ import torch
 
 from fl_attack.config import AttackConfig
 from fl_attack.errors import ZeroUpdate
+from fl_attack.steps.tolerances import rounding_edge
 
 
 def as_tensor(value: Any, name: str, *, ndim: int, device: torch.device) -> torch.Tensor:
@@ -124,6 +125,9 @@ class LayerUpdate:
     """(k, m) the next linear layer's weight gradient, for peeling (``fl_attack.steps.peel``)."""
     precision: torch.dtype
     device: torch.device
+    rounding_edge: float = 0.0
+    """The largest singular value the stored weights' rounding can add to ``weight_grad``
+    (``AttackConfig.weights_dtype``, ``tolerances.rounding_edge``); 0 for a gradient."""
 
 
 def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
@@ -152,5 +156,11 @@ def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
     if next_weight_grad is not None:
         G2 = as_tensor(next_weight_grad, "next_weight_grad", ndim=2, device=dev)
         check_next_layer(G, G2, W, cfg)
+    edge = 0.0
+    if cfg.weights_dtype is not None:
+        if W is None:
+            raise ValueError(f"weights_dtype={cfg.weights_dtype!r} needs the layer's weight "
+                             "(pass weight= and bias=): its rounding is read off W₀ - update")
+        edge = rounding_edge(W, G, cfg.weights_dtype)
     return LayerUpdate(weight_grad=G, bias_grad=g, weight=W, bias=b, next_weight_grad=G2,
-                       precision=precision, device=dev)
+                       precision=precision, device=dev, rounding_edge=edge)

@@ -476,6 +476,10 @@ def test_unknown_options(layer) -> None:
         fl_attack.invert(G, g, sparse="inputs")
     with pytest.raises(ValueError, match="unknown update 'fedsgd'"):
         fl_attack.invert(G, g, update="fedsgd")
+    with pytest.raises(ValueError, match="unknown weights_dtype 'float8'"):
+        fl_attack.invert(G, g, weight=W, bias=b, weights_dtype="float8")
+    with pytest.raises(ValueError, match="weights_dtype='float32' needs the layer's weight"):
+        fl_attack.invert(G, g, weights_dtype="float32")
     with pytest.raises(ValueError, match="steps must be a positive int"):
         fl_attack.AttackConfig(steps=0)
     with pytest.raises(ValueError, match="verify_dim must be a non-negative int"):

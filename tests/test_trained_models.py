@@ -21,7 +21,12 @@ from fl_attack.solver import certify
 from fl_attack.solver.state import relaxed
 from fl_attack.steps import filtering
 from fl_attack.steps.decompose import decompose
-from fl_attack.steps.tolerances import exact_possible, noisy_update, rounding_limited
+from fl_attack.steps.tolerances import (
+    exact_possible,
+    noisy_update,
+    rounding_edge,
+    rounding_limited,
+)
 from fl_attack.testbed import data, models
 from tests.conftest import RealBatch, compute_output_grad
 
@@ -124,3 +129,58 @@ def test_each_columns_zero_test_follows_the_noise_on_it(mnist_model, output_side
     weakest = L[:, -1:]  # the least singular direction: the noise the loose test is set for
     assert torch.equal(zero_mask(weakest, rtol), zero_mask(weakest, float(rtol)))
     assert type(rtol * 1e-2) is float  # derived tolerances stay batch-wide
+
+
+def _stored_step(t: RealBatch, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first layer's weights after one SGD step stored in float32, as a client sends them
+    back; the update W₀ - W_E formed in float64 (as ``weight_update_pair`` forms it), and
+    the rounding that storing added to it."""
+    exact = t.W.double() - lr * t.G.double()
+    stored = exact.float()
+    return t.W.double() - stored.double(), (t.b - lr * t.g).float(), stored.double() - exact
+
+
+def test_the_stored_weights_rounding_is_never_read_as_samples(mnist_model) -> None:
+    """After 1,500 steps a step at lr 0.001 changes the weights by less than their float32
+    spacing in many entries: the update W₀ - W_E carries the weights' rounding, a full-rank
+    bulk far above the update's own precision, which the spectrum alone reads as almost 200
+    samples. Told that the weights are stored in float32, the attack reads no singular value
+    within ``rank_margin`` x the rounding's estimated size as a sample, and never more samples
+    than the batch holds."""
+    t = _batch(mnist_model, 1500, seed=2)
+    update, b_e, rounding = _stored_step(t, 1e-3)
+    assert decompose(update, floor_rtol=1e-6).batch_size > 20  # the situation
+    edge = rounding_edge(t.W, update, "float32")
+    assert 0.1 * edge < float(torch.linalg.matrix_norm(rounding, 2)) < 1.5 * edge
+    dec = decompose(update, floor_rtol=1e-6, noise_floor=edge)
+    S = dec.singular_values
+    assert dec.batch_size <= 20 and float(S[dec.batch_size - 1]) > 2.0 * edge
+    rec = fl_attack.invert(update, t.b.double() - b_e.double(), weight=t.W, bias=t.b,
+                           weights_dtype="float32", seed=0, max_seconds=10)
+    assert rec.batch_size <= 20 and not rec.exact
+
+
+def test_an_audit_reads_a_float32_replys_rounding_as_rounding(mnist_model,
+                                                              task_identity: None) -> None:
+    """The Flower audit knows the dtype a reply's weights come in: it passes it on, so a
+    trained model's tiny step is read at the samples it holds, never as the spectrum of its
+    rounding (then the audit would have to fall back on ``num-examples``)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fl_attack_flwr import AttackSettings, AuditingStrategy, verdicts
+    from tests.flower_fakes import FakeGrid, content, fedavg, reply
+
+    t = _batch(mnist_model, 1500, seed=2)
+    _, b_e, _ = _stored_step(t, 1e-3)
+    before = {k: v.clone() for k, v in mnist_model[1500].items()}
+    after = {**before, "1.weight": (t.W.double() - 1e-3 * t.G.double()).float(), "1.bias": b_e}
+    audited = AuditingStrategy(fedavg(), attack=AttackSettings(executor="inline",
+                                                               max_seconds=10.0),
+                               protocol="fedsgd")
+    list(audited.configure_train(1, ArrayRecord(before), ConfigRecord(), FakeGrid([11])))
+    audited.aggregate_train(1, [reply(11, content(after, 0, num=20))])
+    audited.close()
+    (record,) = audited.records
+    said = " ".join(filter(None, (record.reason, record.error)))
+    assert record.status in verdicts.RECONSTRUCTED, (record.status, said)
+    assert record.batch_size <= 20 and "attacked at B =" not in said

@@ -288,7 +288,8 @@ def invert_inputs(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     t0 = time.perf_counter()
     try:
         dec = decompose(G.T, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                        floor_rtol=rank_floor(layer.precision))
+                        floor_rtol=rank_floor(layer.precision),
+                        noise_floor=layer.rounding_edge)
     except NotIdentifiable as exc:  # the same rank as G's: keep why, for the caller
         raise NotIdentifiable(f"sparse='input' (inverting Gᵀ, inputs of dimension n = "
                               f"{G.shape[1]}): {exc}", reason=exc.reason, rank=exc.rank,

@@ -70,7 +70,8 @@ def invert_output(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock
     if dec is None:
         t0 = time.perf_counter()
         dec = decompose(layer.weight_grad, batch_size=cfg.batch_size,
-                        rank_margin=cfg.rank_margin, floor_rtol=rank_floor(layer.precision))
+                        rank_margin=cfg.rank_margin, floor_rtol=rank_floor(layer.precision),
+                        noise_floor=layer.rounding_edge)
         clock.tick("decompose", t0)
     values = dec.readings()
     if len(values) == 1:

@@ -162,6 +162,7 @@ def decompose(
     batch_size: int | None = None,
     rank_margin: float = 2.0,
     floor_rtol: float = 1e-13,
+    noise_floor: float = 0.0,
 ) -> Decomposition:
     """Factor the weight gradient (float64) and read off the batch size.
 
@@ -181,6 +182,10 @@ def decompose(
         Signal singular values lie above this many noise edges ν(√m + √n).
     floor_rtol
         See above (``tolerances.RANK_FLOOR``).
+    noise_floor
+        The largest singular value a known rounding can give the update, in its units (the
+        stored weights' rounding of a weight difference, ``tolerances.rounding_edge``); values
+        up to ``rank_margin`` times it are never samples. 0: none known.
 
     Returns
     -------
@@ -196,6 +201,8 @@ def decompose(
     m, n = weight_grad.shape
     G = weight_grad.double()
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    if noise_floor > 0 and float(S[0]) > 0:
+        floor_rtol = max(floor_rtol, rank_margin * noise_floor / float(S[0]))
     # rows of neurons that no sample activates are exactly zero and carry no rank
     live_rows = int((G.abs().amax(dim=1) > 0).sum())
     live_cols = int((G.abs().amax(dim=0) > 0).sum())
@@ -205,16 +212,7 @@ def decompose(
     rank, nu, edge = estimate_rank(S[:limit], live_rows, live_cols, margin=rank_margin,
                                    floor_rtol=floor_rtol, max_rank=limit)
     if batch_size is None:
-        if rank == 0:
-            raise NotIdentifiable("weight_grad has numerical rank 0: nothing to invert",
-                                  reason="no-signal", rank=0, limit=limit)
-        if rank >= limit:
-            raise NotIdentifiable(
-                f"weight_grad has full numerical rank {rank} = min(m, n) = {limit} (counting only "
-                f"non-zero rows/columns): the batch is not smaller than the layer (B >= min(m, n))"
-                " or the noise swamps the signal, so the batch is not identifiable from this "
-                "layer",
-                reason="full-rank", rank=rank, limit=limit)
+        _check_identifiable(rank, limit, noise_floor, rank_margin)
         B = rank
     else:
         if batch_size >= limit:
@@ -236,6 +234,22 @@ def decompose(
     if batch_size is None and rank_margin > EDGE_MARGIN:
         _edge_reading(dec, U, Vh, limit, rank_margin, floor_rtol)
     return dec
+
+
+def _check_identifiable(rank: int, limit: int, noise_floor: float, rank_margin: float) -> None:
+    """:class:`NotIdentifiable` for a rank read off the spectrum that identifies no batch."""
+    if rank == 0:
+        below = (f": every singular value is within {rank_margin:g} x the rounding the stored "
+                 f"weights can add ({noise_floor:.3g})" if noise_floor > 0 else "")
+        raise NotIdentifiable(f"weight_grad has numerical rank 0{below}: nothing to invert",
+                              reason="no-signal", rank=0, limit=limit)
+    if rank >= limit:
+        raise NotIdentifiable(
+            f"weight_grad has full numerical rank {rank} = min(m, n) = {limit} (counting only "
+            f"non-zero rows/columns): the batch is not smaller than the layer (B >= min(m, n))"
+            " or the noise swamps the signal, so the batch is not identifiable from this "
+            "layer",
+            reason="full-rank", rank=rank, limit=limit)
 
 
 def _edge_reading(dec: Decomposition, U: torch.Tensor, Vh: torch.Tensor, limit: int,

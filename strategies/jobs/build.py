@@ -10,7 +10,6 @@ where there is nothing to attack it returns the outcome that says why (``not-cov
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,16 +81,22 @@ def attack_job(sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray
             passed, settings.weight_key is not None))
     target = Target(layer, True, passed)
     try:
-        job = build_job(server_round, node_id, label, sent, returned, layer, settings)
+        job = build_job(server_round, node_id, label, sent, returned, layer, settings,
+                        num_examples=num_examples)
     except ZeroUpdate as exc:
         return target, AttackOutcome(verdicts.NO_UPDATE, reason=str(exc))
-    return target, dataclasses.replace(job, num_examples=num_examples)
+    return target, job
 
 
 def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np.ndarray],
               returned: Mapping[str, np.ndarray], layer: LayerChoice,
-              settings: AttackSettings) -> AttackJob:
-    """The attack job of one update at ``layer`` (``ZeroUpdate`` when it is zero there)."""
+              settings: AttackSettings, *, num_examples: int | None = None) -> AttackJob:
+    """The attack job of one update at ``layer`` (``ZeroUpdate`` when it is zero there).
+
+    The update is ``W0 - W_E`` of the reply's weights, so the attack is told their dtype
+    (``weights_dtype``: their rounding is no sample), unless the reply reports at least as
+    many samples as the layer has units or inputs (``num_examples``): then the whole spectrum
+    may be samples, its weakest below that rounding, and the update is read as it is."""
     from fl_attack.model.updates import weight_update_pair
 
     dw, db, w0, b0 = weight_update_pair(sent, returned, weight_key=layer.weight_key,
@@ -100,9 +105,20 @@ def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np
     dw2 = None
     if settings.next_layer and layer.next_weight_key is not None and "gradient" in readings:
         dw2 = _next_layer_update(sent, returned, layer)
+    kwargs = settings.invert_kwargs()
+    stored = stored_dtype(returned[layer.weight_key])
+    if stored is not None and (num_examples is None or num_examples < min(dw.shape)):
+        kwargs.setdefault("weights_dtype", stored)
     return AttackJob(server_round, node_id, label, dw.numpy(), db.numpy(), w0.numpy(),
-                     b0.numpy(), dw2, readings, settings.invert_kwargs(),
-                     settings.memory_limit_gb)
+                     b0.numpy(), dw2, readings, kwargs, settings.memory_limit_gb,
+                     num_examples=num_examples)
+
+
+def stored_dtype(value: Any) -> str | None:
+    """The name of the float dtype an array of the reply is stored in (``"float32"``, ...),
+    as ``AttackConfig.weights_dtype`` takes it; None for any other type."""
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    return name if name in ("float16", "bfloat16", "float32", "float64") else None
 
 
 def _next_layer_update(sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
