@@ -126,7 +126,7 @@ class LayerUpdate:
     precision: torch.dtype
     device: torch.device
     rounding_edge: float = 0.0
-    """The largest singular value the stored weights' rounding can add to ``weight_grad``
+    """The estimated largest singular value the stored weights' rounding adds to ``weight_grad``
     (``AttackConfig.weights_dtype``, ``tolerances.rounding_edge``); 0 for a gradient."""
 
 

@@ -118,8 +118,7 @@ def invert_auto(layer: LayerUpdate, cfg: AttackConfig, seed: int,
     G, W, b = layer.weight_grad, layer.weight, layer.bias
     t0 = time.perf_counter()
     dec = decompose(G, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                    floor_rtol=rank_floor(layer.precision),
-                        noise_floor=layer.rounding_edge)
+                    floor_rtol=rank_floor(layer.precision), noise_floor=layer.rounding_edge)
     out_clock = Clock(cfg.max_seconds, start=t0)
     out_clock.tick("decompose", t0)
     out = output_side.invert_output(dataclasses.replace(layer, next_weight_grad=None),

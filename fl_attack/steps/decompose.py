@@ -183,9 +183,9 @@ def decompose(
     floor_rtol
         See above (``tolerances.RANK_FLOOR``).
     noise_floor
-        The largest singular value a known rounding can give the update, in its units (the
-        stored weights' rounding of a weight difference, ``tolerances.rounding_edge``); values
-        up to ``rank_margin`` times it are never samples. 0: none known.
+        The estimated largest singular value a known rounding gives the update, in its units
+        (the stored weights' rounding of a weight difference, ``tolerances.rounding_edge``);
+        values up to ``rank_margin`` times it are never samples. 0: none known.
 
     Returns
     -------

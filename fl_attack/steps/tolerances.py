@@ -62,7 +62,7 @@ MANTISSA_BITS = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}
 
 
 def rounding_edge(weight: torch.Tensor, update: torch.Tensor, dtype: str) -> float:
-    """The size of the largest singular value that storing ``W_E = weight - update`` in
+    """An estimate of the largest singular value that storing ``W_E = weight - update`` in
     ``dtype`` adds to the update ``W₀ - W_E``.
 
     Storing rounds each entry by at most half its unit in the last place u: by about u/√12
