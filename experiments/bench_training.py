@@ -72,6 +72,8 @@ COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", 
            "ceiling % (true ∂L/∂Z)", "span oracle % (true columns in the update's span)")
 DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
 READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "dpsgd": 25.0}
+CNN_LR = 0.1
+"""The learning rate of the quickstart CNN's attacked step."""
 
 
 @dataclass
@@ -192,12 +194,18 @@ def _fedavg_ceiling(dw: torch.Tensor, xb: torch.Tensor, src: Labelled) -> float:
     return least_squares_psnr(Z, dw, _images(xb, src), src.name)
 
 
+def _least_squares(D: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """X = D⁺ ΔW (B, n): what the update ``dw`` holds of each sample, given the true ∂L/∂Z
+    ``D`` (m, B), whatever finds the columns (scaled by the step's learning rate)."""
+    return torch.linalg.pinv(D) @ dw.double()
+
+
 def _fedsgd_ceiling(D: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
                     src: Labelled) -> torch.Tensor:
     """Per-sample PSNR (B,) of X = D⁺ ΔW from the true ∂L/∂Z D (float64,
     ``training_stats.output_grad``) and the float32 gradient: what the update holds of each
     sample, whatever finds the columns."""
-    Xh = torch.linalg.pinv(D) @ dw.double()
+    Xh = _least_squares(D, dw)
     images = data.denormalize(Xh.float().reshape(-1, *src.shape), src.name)
     truth = _images(xb, src)
     return metrics.psnr(images, truth)
@@ -283,7 +291,7 @@ def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
     input *features* scored against the true ones."""
     from fl_attack.testbed import cnn
 
-    view = cnn.fedsgd_step(model, xb, yb, lr=0.1)
+    view = cnn.fedsgd_step(model, xb, yb, lr=CNN_LR)
     dw, db = view.update("fc1.weight"), view.update("fc1.bias")
     w0, b0 = view.before["fc1.weight"], view.before["fc1.bias"]
     grads = training_stats.output_grad(model, xb, yb)
@@ -297,9 +305,7 @@ def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
     features = models.layer_inputs(model, xb).double()
     scale = float(features.abs().max())
     score = metrics.score_batch(rec.inputs / scale, features / scale, shared=rec.merged > 0)
-    # what the weight difference holds of each sample: X = D⁺ ΔW / lr from the true ∂L/∂Z
-    held = metrics.psnr(torch.linalg.pinv(grads[0]) @ dw.double() / 0.1 / scale,
-                        features / scale)
+    held = metrics.psnr(_least_squares(grads[0], dw) / CNN_LR / scale, features / scale)
     kept = held > READ_DB["fedsgd"]
     return BatchResult(float(score.psnr[kept].mean()) if bool(kept.any()) else 0.0,
                        rec.exact, rec.sparsity_match, rec.n_directions, seconds, rec.stopped,

@@ -132,12 +132,11 @@ def test_each_columns_zero_test_follows_the_noise_on_it(mnist_model, output_side
 
 
 def _stored_step(t: RealBatch, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first layer's weights after one SGD step stored in float32, as a client sends them
-    back; the update W₀ - W_E formed in float64 (as ``weight_update_pair`` forms it), and
-    the rounding that storing added to it."""
+    """The first layer's weight and bias after one SGD step stored in float32, as a client
+    sends them back, and the rounding that storing added to the weight."""
     exact = t.W.double() - lr * t.G.double()
     stored = exact.float()
-    return t.W.double() - stored.double(), (t.b - lr * t.g).float(), stored.double() - exact
+    return stored, (t.b - lr * t.g).float(), stored.double() - exact
 
 
 def test_the_stored_weights_rounding_is_never_read_as_samples(mnist_model) -> None:
@@ -148,7 +147,8 @@ def test_the_stored_weights_rounding_is_never_read_as_samples(mnist_model) -> No
     within ``rank_margin`` x the rounding's estimated size as a sample, and never more samples
     than the batch holds."""
     t = _batch(mnist_model, 1500, seed=2)
-    update, b_e, rounding = _stored_step(t, 1e-3)
+    w_e, b_e, rounding = _stored_step(t, 1e-3)
+    update = t.W.double() - w_e.double()  # as ``weight_update_pair`` forms it
     assert decompose(update, floor_rtol=1e-6).batch_size > 20  # the situation
     edge = rounding_edge(t.W, update, "float32")
     assert 0.1 * edge < float(torch.linalg.matrix_norm(rounding, 2)) < 1.5 * edge
@@ -171,9 +171,9 @@ def test_an_audit_reads_a_float32_replys_rounding_as_rounding(mnist_model,
     from tests.flower_fakes import FakeGrid, content, fedavg, reply
 
     t = _batch(mnist_model, 1500, seed=2)
-    _, b_e, _ = _stored_step(t, 1e-3)
+    w_e, b_e, _ = _stored_step(t, 1e-3)
     before = {k: v.clone() for k, v in mnist_model[1500].items()}
-    after = {**before, "1.weight": (t.W.double() - 1e-3 * t.G.double()).float(), "1.bias": b_e}
+    after = {**before, "1.weight": w_e, "1.bias": b_e}
     audited = AuditingStrategy(fedavg(), attack=AttackSettings(executor="inline",
                                                                max_seconds=10.0),
                                protocol="fedsgd")

@@ -57,10 +57,6 @@ def rank_floor(precision: torch.dtype) -> float:
     return RANK_FLOOR[torch.float32 if precision == torch.float32 else torch.float64]
 
 
-MANTISSA_BITS = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}
-"""Significand bits (the implicit one included) of the dtypes weights are stored in."""
-
-
 def rounding_edge(weight: torch.Tensor, update: torch.Tensor, dtype: str) -> float:
     """An estimate of the largest singular value that storing ``W_E = weight - update`` in
     ``dtype`` adds to the update ``W₀ - W_E``.
@@ -89,7 +85,8 @@ def rounding_edge(weight: torch.Tensor, update: torch.Tensor, dtype: str) -> flo
     """
     w_e = weight.double() - update.double()
     _, exponent = torch.frexp(w_e)  # |w| = f · 2^e with f in [0.5, 1)
-    half_ulp = torch.ldexp(torch.ones_like(w_e), exponent - MANTISSA_BITS[dtype] - 1)
+    eps = torch.finfo(getattr(torch, dtype)).eps  # the unit in the last place of 1
+    half_ulp = torch.ldexp(torch.full_like(w_e, eps), exponent - 2)  # of f · 2^e: eps 2^(e-1)
     sq = torch.where(w_e == 0, 0.0, half_ulp.square())
     return float(sq.sum(dim=1).max().sqrt() + sq.sum(dim=0).max().sqrt())
 

@@ -106,7 +106,7 @@ def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np
     if settings.next_layer and layer.next_weight_key is not None and "gradient" in readings:
         dw2 = _next_layer_update(sent, returned, layer)
     kwargs = settings.invert_kwargs()
-    stored = stored_dtype(returned[layer.weight_key])
+    stored = _stored_dtype(returned[layer.weight_key])
     if stored is not None and (num_examples is None or num_examples < min(dw.shape)):
         kwargs.setdefault("weights_dtype", stored)
     return AttackJob(server_round, node_id, label, dw.numpy(), db.numpy(), w0.numpy(),
@@ -114,11 +114,13 @@ def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np
                      num_examples=num_examples)
 
 
-def stored_dtype(value: Any) -> str | None:
+def _stored_dtype(value: Any) -> str | None:
     """The name of the float dtype an array of the reply is stored in (``"float32"``, ...),
     as ``AttackConfig.weights_dtype`` takes it; None for any other type."""
+    from fl_attack.config import WEIGHT_DTYPES
+
     name = str(getattr(value, "dtype", "")).removeprefix("torch.")
-    return name if name in ("float16", "bfloat16", "float32", "float64") else None
+    return name if name in WEIGHT_DTYPES else None
 
 
 def _next_layer_update(sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
