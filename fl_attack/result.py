@@ -82,6 +82,12 @@ class Reconstruction:
     """Samples of groups the layer read only up to a mixture that were then read exactly,
     each verified on its own, through the next layer's weight gradient
     (``fl_attack.solver.untangle``)."""
+    verified: tuple[int, ...] = ()
+    """Rows of ``inputs`` whose samples were found as points of the layer's row space with
+    their activations in the next layer's activation span, then recovered and verified on
+    their own through ``next_weight_grad`` (``fl_attack.steps.activations``,
+    ``fl_attack.steps.peel``): exact to the update's precision whatever the rest of the
+    basis, also when the batch is not certified."""
     budget_exhausted: bool = False
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best
@@ -125,6 +131,7 @@ class Reconstruction:
             "stopped": self.stopped,
             "mixed": [list(group) for group in self.mixed],
             "untangled": self.untangled,
+            "verified": list(self.verified),
             "merged": self.merged,
             "batch_size_readings": list(self.batch_size_readings),
             "reading_scores": [round(v, 1) for v in self.reading_scores],

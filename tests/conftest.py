@@ -237,7 +237,8 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     in [0, 1] (or None without weight and bias), chance zeros only at λ = 1, and a
     certificate only for a full λ = 1 basis whose every image is exact (above ``exact_db``,
     90 dB: the papers' "exact"; None where the update's own precision is less and the caller
-    checks the certified batch against the true directions' instead)."""
+    checks the certified batch against the true directions' instead); every row the result
+    says was verified on its own is a sample of the batch."""
     B = x.shape[0]
     assert rec.batch_size == B and rec.inputs.shape == (B, x[0].numel()), rec.as_dict()
     assert bool(torch.isfinite(rec.inputs).all())
@@ -248,6 +249,11 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     if exact_db is not None:
         worst = float(score_images(rec.inputs, x, name).psnr.min())
         assert not rec.exact or worst > exact_db, (worst, rec.as_dict())
+    if rec.verified:  # each verified row is one of the batch's samples, to 10⁻³
+        rows = rec.inputs[list(rec.verified)].double()
+        truth = x.reshape(B, -1).to(rows)
+        err = torch.cdist(rows, truth).min(dim=1).values / truth.norm(dim=1).min()
+        assert float(err.max()) < 1e-3, (err.max(), rec.as_dict())
 
 
 @pytest.fixture(scope="session")

@@ -161,15 +161,15 @@ def test_a_starved_search_with_the_next_layer_keeps_its_promises(case, promises)
     promises(rec, t["x"], "photos32")
 
 
-def test_a_next_layer_of_another_rank_is_not_used(case, promises) -> None:
-    """A next-layer gradient of fewer samples cannot hold every activation: a warning, no
-    peeling, and the attack goes on without it, keeping its promises."""
+def test_a_next_layer_of_another_rank_peels_only_what_it_holds(case, promises) -> None:
+    """A next-layer gradient of fewer samples holds only their activations: it is read at its
+    own rank, and whatever it verifies is among those samples (each verified on its own);
+    the attack keeps its promises."""
     t = case()
     G2_half, _ = models.layer_gradients(t["model"], t["xn"][:10].float(), t["y"][:10], 1)
-    with pytest.warns(UserWarning, match="rank"):
-        rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"], seed=0,
-                               next_weight_grad=G2_half)
-    assert rec.peeled == 0
+    rec = fl_attack.invert(t["G"], t["g"], weight=t["W"], bias=t["b"], seed=0,
+                           next_weight_grad=G2_half)
+    assert rec.peeled + len(rec.verified) <= 10
     promises(rec, t["x"], "photos32")
 
 

@@ -54,6 +54,17 @@ class Tuning:
     finish_share: float = 0.25
     """Share of ``max_seconds`` the final selection (swaps, repair) may take past the search's
     budget: a call ends within about (1 + this) x ``max_seconds``."""
+    activation_after: int = 1
+    """With the next layer's gradient, SPEAR++ rounds before the activation rounds
+    (``candidates.activation_round``) begin; from then on the two alternate."""
+    activation_starts: int = 150
+    """Starts of each kind (rows of G, Gaussian) of an activation round."""
+    activation_steps: int = 1000
+    """Adam iterations of an activation round's descent."""
+    activation_lr: float = 0.2
+    """Adam's step size in the row space's orthonormal coordinates."""
+    activation_descents: int = 50
+    """Descents of one activation round (each outside the columns the earlier ones found)."""
     starts_floor: int = 256
     """Least number of random starts of a SPEAR++ round (``AttackConfig.n_init`` = None)."""
     starts_per_column: int = 20

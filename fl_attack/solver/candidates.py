@@ -8,6 +8,7 @@ Every step is a function of the search's context (read only), its state and its 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,7 +16,10 @@ import torch
 from fl_attack.core.columns import dedupe, normalize_columns, zero_mask
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import SearchContext, SearchState
-from fl_attack.steps import completion, faces, polish, sampling, search
+from fl_attack.steps import activations, completion, faces, polish, sampling, search
+from fl_attack.steps.peel import Peeled
+
+log = logging.getLogger("fl_attack")
 
 
 def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
@@ -83,6 +87,92 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     split_faces(ctx, state, pool, Qopt.double()[:, in_face], n_rows)
     split_faces(ctx, state, pool, Qp[:, vertices], n_rows, vertex=True)
     clock.tick("faces", t0)
+
+
+def activation_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -> None:
+    """One activation round (:mod:`fl_attack.steps.activations`): descents from the rows of G
+    and Gaussian starts to points of the row space whose activations lie in the next layer's
+    activation span. The kernels of L on each point's inactive units are polished and pooled;
+    the exact ones (``activations.consistent_columns``) join ``state.activation_found``, and
+    the next descent searches outside them and the trusted columns, for the samples still
+    missing. Up to ``Tuning.activation_descents`` descents, while each finds new columns.
+
+    Parameters
+    ----------
+    ctx, state, pool
+        The search (``ctx.activation_span`` and the layer's weight and bias are set); the
+        round's candidates go to the pool.
+    """
+    span, system, clock, tuning, L = (ctx.activation_span, ctx.system, ctx.clock, ctx.tuning,
+                                      ctx.L)
+    assert span is not None and system.WR is not None and system.bias is not None
+    frame = activations.row_frame(system.R, system.WR)
+    for _ in range(tuning.activation_descents):
+        t0 = time.perf_counter()
+        known = [c for c in (state.activation_found, state.deflated) if c is not None]
+        P0 = activations.starts(L, system.t, frame, min(tuning.activation_starts, L.shape[0]),
+                                generator=ctx.generator)
+        P, _ = activations.consistent_points(
+            frame, system.bias, span.to(P0.device), P0,
+            found=torch.cat(known, dim=1) if known else None, steps=tuning.activation_steps,
+            lr=tuning.activation_lr, deadline=clock.deadline)
+        Q, inactive = activations.columns_of_points(L, frame, system.bias, P)
+        keep = dedupe(Q, tuning.minima_dedupe)
+        Q, inactive = Q[:, keep], inactive[:, keep]
+        ok = activations.consistent_columns(L, Q, inactive, ctx.zero_rtol)
+        exact, points = Q[:, ok], P[keep][ok]
+        fresh = _new_columns(exact, state.activation_found, ctx.span_tol)
+        new = exact[:, fresh]
+        if new.shape[1]:
+            state.activation_found = (new if state.activation_found is None
+                                      else torch.cat([state.activation_found, new], dim=1))
+            snapped = activations.snap_points(frame, system.bias, span, points[fresh])
+            _verify(ctx, state, *activations.columns_of_points(L, frame, system.bias, snapped))
+        clock.tick("activations", t0)
+        t0 = time.perf_counter()
+        Qp, zeros, _, lev = polish_within_budget(ctx, Q, ctx.n_rows())
+        pool.add(Qp, zeros, lev)
+        if exact.shape[1]:  # proven by their points: kept with any zero count
+            pool.add(exact, zero_mask(L @ exact, ctx.zero_rtol).sum(dim=0),
+                     least_zeros=ctx.B - 1)
+        clock.tick("polish", t0)
+        total = 0 if state.activation_found is None else state.activation_found.shape[1]
+        log.log(logging.INFO if ctx.cfg.progress else logging.DEBUG,
+                "%.1fs: activation descent: %d exact columns (%d new, %d in all)",
+                clock.elapsed(), exact.shape[1], new.shape[1], total)
+        if not new.shape[1] or clock.expired():
+            break
+
+
+def _new_columns(Q: torch.Tensor, known: torch.Tensor | None, tol: float) -> torch.Tensor:
+    """(k,) bool: the columns of ``Q`` (unit, B x k) farther than ``tol`` from the span of
+    ``known``."""
+    if known is None or not known.shape[1] or not Q.shape[1]:
+        return torch.ones(Q.shape[1], dtype=torch.bool, device=Q.device)
+    basis = torch.linalg.qr(known).Q
+    return (Q - basis @ (basis.T @ Q)).norm(dim=0) > tol
+
+
+def _verify(ctx: SearchContext, state: SearchState, Q: torch.Tensor,
+            inactive: torch.Tensor) -> None:
+    """Recover the samples of the exact columns ``Q`` (B, k) through the next layer, each on
+    its point's inactive units (``inactive``, m x k), and keep the verified ones in
+    ``state.verified``."""
+    if state.recover is not None:
+        keep_verified(state, state.recover(Q, ctx.clock.deadline, zeros=inactive))
+
+
+def keep_verified(state: SearchState, got: Peeled) -> None:
+    """Add the verified samples of ``got`` to ``state.verified``."""
+    if not bool(got.verified.any()):
+        return
+    old = state.verified
+    if old is not None:
+        got = Peeled(inputs=torch.cat([old.inputs, got.inputs]),
+                     coords=torch.cat([old.coords, got.coords]),
+                     columns=torch.cat([old.columns, got.columns], dim=1),
+                     verified=torch.cat([old.verified, got.verified]))
+    state.verified = got
 
 
 def polish_within_budget(ctx: SearchContext, Q: torch.Tensor, n_rows: int

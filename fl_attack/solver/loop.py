@@ -69,7 +69,11 @@ def search(ctx: SearchContext, state: SearchState,
     state.stopped = "rounds"
     while state.rounds < max_rounds:
         state.rounds += 1
-        (candidates.spear_round if spear else candidates.spearpp_round)(ctx, state, pool)
+        step = candidates.spear_round if spear else candidates.spearpp_round
+        if (ctx.activation_span is not None and state.rounds > ctx.tuning.activation_after
+                and (state.rounds - ctx.tuning.activation_after) % 2 == 1):
+            step = candidates.activation_round
+        step(ctx, state, pool)
         now = completions(ctx, state, pool, certify.assess(ctx, state, pool))
         _log_round(ctx, state, pool, now)
         if state.peeled is not None:

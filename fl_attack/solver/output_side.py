@@ -20,11 +20,17 @@ from fl_attack.config import AttackConfig
 from fl_attack.core.clock import Clock
 from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.result import Reconstruction, build_reconstruction
-from fl_attack.solver import certify, loop
+from fl_attack.solver import candidates, certify, loop
 from fl_attack.solver.pool import CandidatePool
-from fl_attack.solver.state import SearchContext, SearchState, relaxed, search_context
+from fl_attack.solver.state import (
+    SearchContext,
+    SearchState,
+    relaxed,
+    search_context,
+    system_has_weights,
+)
 from fl_attack.solver.untangle import untangle
-from fl_attack.steps import batch_size, peel
+from fl_attack.steps import activations, batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.match import sparsity_match
 from fl_attack.steps.scale import make_system, reconstruct
@@ -102,9 +108,10 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     else:
         Q = found.Q
     got = _settle(layer, found, Q, clock)
+    X, rows = _verified_rows(got.X, Q, state)
     lam = state.match
-    return build_reconstruction(
-        got.X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
+    rec = build_reconstruction(
+        X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
         sparsity_match=lam.value if lam is not None else None,
         per_column=lam.per_column if lam is not None else None,
         units=layer.weight_grad.shape[0],
@@ -115,6 +122,28 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         peeled=found.peeled, stopped=found.stopped, supported=got.proven, mixed=got.mixed,
         untangled=got.untangled,
     )
+    rec.verified = rows
+    return rec
+
+
+def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState
+                   ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """X with the rows of the basis' columns that match a verified sample
+    (``state.verified``, within 10⁻⁶ in angle) replaced by that sample's input, and those
+    rows."""
+    got = state.verified
+    if got is None or not got.inputs.shape[0]:
+        return X, ()
+    Qn = normalize_columns(Q.to(got.columns))
+    cos = (Qn.T @ normalize_columns(got.columns)).abs()  # (B, F)
+    best, row = cos.max(dim=0)
+    keep = torch.nonzero(best > 1 - 1e-6).squeeze(1).tolist()
+    if not keep:
+        return X, ()
+    X = X.clone()
+    rows = [int(row[k]) for k in keep]
+    X[rows] = got.inputs[keep].to(X)
+    return X, tuple(sorted(set(rows)))
 
 
 @dataclass
@@ -205,8 +234,10 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
     dec
         This level's decomposition: the gradient's (``invert_output``, at one batch-size
         reading) or, below the first level, the one the level above derived (``peel.reduced``).
-    rows2 : (B, m), optional
-        The next layer's activation span (computed at the first level).
+    rows2 : (r, m), optional
+        The next layer's activation span (computed at the first level; r = B unless the
+        next layer's rank reading differs). On a clean gradient with the layer's weight and
+        bias, the search adds activation rounds in it (``candidates.activation_round``).
     seeds : (m, P), optional
         The upper level's candidates as ∂L/∂Z directions; those in this level's column space
         start its pool.
@@ -215,9 +246,13 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
     system = make_system(dec.L, dec.R, g, layer.weight, layer.bias, zero_rtol, z_band,
                          subset=cfg.update == "fedavg")
     ctx = search_context(cfg, dec, system, generator, layer.device, clock)
-    state, pool = SearchState(), CandidatePool(ctx)
+    state = SearchState()
     B = dec.batch_size
     rows2 = _next_layer(ctx, state, layer, rows2)
+    if (rows2 is not None and cfg.update == "gradient" and not ctx.noisy
+            and system_has_weights(ctx)):
+        ctx = dataclasses.replace(ctx, activation_span=rows2.T)
+    pool = CandidatePool(ctx)
     if seeds is not None and B > 1:
         pool.seed(seeds)
     if B == 1:  # one sample: G = d xᵀ, nothing to disentangle
@@ -239,8 +274,10 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         clock.tick("peel", t0)
         if F < B and sub_dec is None:
             warnings.warn(f"peeling {F} samples did not leave a clean rank {B - F}: the search "
-                          "goes on without peeling", stacklevel=4)
+                          "goes on without peeling (their rows keep the verified inputs)",
+                          stacklevel=4)
             state.peeler = None
+            candidates.keep_verified(state, peeled)
             continue
         loop.progress(ctx, "%.1fs: peeled %d verified samples through the next layer, %d left",
                       clock.elapsed(), F, B - F)
@@ -283,22 +320,30 @@ def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
 def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
                 rows2: torch.Tensor | None) -> torch.Tensor | None:
     """The next layer's activation span (computed once, at the first level) and the peeler
-    that uses it; nothing on noisy updates or without a next layer."""
+    that uses it; nothing on noisy updates or without a next layer.
+
+    The span is read at rank B; where the next layer's own rank reading differs (a trained
+    model's weakest samples fall below float32 rounding at a different rank in each layer),
+    at that reading: each peeled sample is verified on its own, so a span missing the
+    weakest samples' activations still peels the others."""
     B = ctx.B
     if layer.next_weight_grad is not None and rows2 is None and not ctx.noisy and B > 1:
         t0 = time.perf_counter()
-        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, rank_floor(layer.precision),
-                                     ctx.generator)
+        floor = rank_floor(layer.precision)
+        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, floor, ctx.generator)
+        if rows2 is None:
+            span = activations.activation_span(layer.next_weight_grad, floor)
+            rows2 = span.T.contiguous() if span is not None else None
         ctx.clock.tick("peel", t0)
         if rows2 is None:
-            warnings.warn(f"next_weight_grad does not have rank {B} (the batch size): samples "
-                          "are not peeled", stacklevel=5)
+            warnings.warn("next_weight_grad has no rank reading: samples are not peeled",
+                          stacklevel=5)
     if rows2 is not None and not ctx.noisy:
         dec, system, found_rows = ctx.dec, ctx.system, rows2
         assert system.WR is not None and system.bias is not None
-        state.peeler = lambda cols, deadline: peel.recover(
+        state.peeler = state.recover = lambda cols, deadline, zeros=None: peel.recover(
             cols, dec.L, dec.R, found_rows, system.WR, system.bias, zero_rtol=system.zero_rtol,
-            z_band=system.z_band, precision=layer.precision, deadline=deadline)
+            z_band=system.z_band, precision=layer.precision, deadline=deadline, zeros=zeros)
     return rows2
 
 

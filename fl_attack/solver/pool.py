@@ -53,7 +53,7 @@ class CandidatePool:
         return self.columns.shape[1]
 
     def add(self, Q: torch.Tensor, zeros: torch.Tensor,
-            leverage: torch.Tensor | None = None) -> None:
+            leverage: torch.Tensor | None = None, *, least_zeros: int | None = None) -> None:
         """Add the candidates among ``Q`` (B, k) that pass the filters.
 
         Parameters
@@ -65,9 +65,12 @@ class CandidatePool:
         leverage : (k,), optional
             Their largest zero-row leverage (``polish.max_leverage``); at or above
             ``cfg.max_leverage`` the zeros are coincidental and the direction is dropped.
+        least_zeros
+            The zero count a candidate needs instead of ``ctx.min_zeros``: B - 1 for columns
+            whose zeros are proven otherwise (``activations.consistent_columns``).
         """
         ctx = self.ctx
-        keep = zeros >= ctx.min_zeros
+        keep = zeros >= (ctx.min_zeros if least_zeros is None else least_zeros)
         if leverage is not None:
             keep &= leverage < ctx.cfg.max_leverage
         Q, score = Q[:, keep].to(self.columns), zeros[keep]

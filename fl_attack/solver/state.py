@@ -54,6 +54,9 @@ class SearchContext:
     """Inverting through the layer's sparse inputs (``fl_attack.solver.input_side``): the SPEAR++
     rounds minimise the sign-aware loss and always restart uniformly."""
     tuning: Tuning = TUNING
+    activation_span: torch.Tensor | None = None
+    """(m, r) the next layer's activation span (``activations.activation_span``), when its
+    gradient is given on a clean update: the activation rounds run."""
 
     @property
     def B(self) -> int:
@@ -195,7 +198,18 @@ class SearchState:
     """Completion calls per (missing, found, round) of the current search pass."""
     peel_tried: set[bytes] = field(default_factory=set)
     """Zero patterns of the columns whose samples peeling already tried."""
-    peeler: Callable[[torch.Tensor, float | None], Peeled] | None = None
+    activation_found: torch.Tensor | None = None
+    """(B, F) exact columns the activation rounds found (``candidates.activation_round``);
+    later descents search outside them."""
+    verified: Peeled | None = None
+    """Samples verified on their own through the next layer but not peeled off: those of the
+    activation rounds' exact columns (``peel.recover`` on each point's inactive units), and
+    those of a peel that left no clean rank. Their rows of the result are these inputs,
+    whatever the rest of the basis."""
+    recover: Callable[..., Peeled] | None = None
+    """Recovers and verifies the samples of columns through the next layer
+    (``peel.recover``); unlike ``peeler`` it stays set when peeling is given up."""
+    peeler: Callable[..., Peeled] | None = None
     """Recovers and verifies the samples of found columns (``fl_attack.steps.peel``), if given."""
     peeled: Peeled | None = None
     """Set when the search stopped to let verified samples be peeled off."""

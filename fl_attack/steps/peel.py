@@ -174,6 +174,7 @@ def recover(
     z_band: float,
     precision: torch.dtype,
     deadline: float | None = None,
+    zeros: torch.Tensor | None = None,
 ) -> Peeled:
     """The samples behind ``columns`` (B, K), each verified on its own
     (:func:`recover_sample` on the column's zero rows).
@@ -193,6 +194,10 @@ def recover(
         The layer's products (``LayerSystem.WR`` = W Rᵀ).
     zero_rtol, z_band, precision
         The tolerances and the gradient's precision.
+    zeros : (m, K) bool, optional
+        Each column's inactive units where they are known otherwise (the points of
+        ``activations``); by default the rows where the column is below ``zero_rtol`` of its
+        largest entry.
 
     Returns
     -------
@@ -206,8 +211,8 @@ def recover(
         if k > 0 and passed(deadline):
             break
         v = V[:, k]
-        c = recover_sample(v.abs() <= zero_rtol * v.abs().max(), rows2, WR, bias,
-                           z_band=z_band, precision=precision)
+        zero = v.abs() <= zero_rtol * v.abs().max() if zeros is None else zeros[:, k]
+        c = recover_sample(zero, rows2, WR, bias, z_band=z_band, precision=precision)
         if c is not None:
             coords.append(c)
             kept.append(k)
