@@ -200,8 +200,22 @@ def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     B, found = int(result["batch_size"]), int(result["n_directions"])
     if result.get("exact"):
         return CERTIFIED, None
+    verified = len(result.get("verified") or [])
     if found < B:
+        if verified:
+            return PARTIAL, (f"{found} of {B} directions found: {verified} sample(s) verified "
+                             "one by one through the next layer are read exactly, no other "
+                             "sample is guaranteed")
         return PARTIAL, f"{found} of {B} directions found: no sample is guaranteed"
+    status, why = _full_basis(result, B)
+    if verified and why is not None:
+        why += (f"; {verified} sample(s) verified one by one through the next layer are read "
+                "exactly")
+    return status, why
+
+
+def _full_basis(result: dict[str, Any], B: int) -> tuple[str, str | None]:
+    """``(status, reason)`` of a full basis that is not certified."""
     lam = result.get("sparsity_match")
     if lam is None:
         return NOT_CERTIFIED, "no certificate without the layer's weights and bias"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fl_attack.config import AttackConfig
 from fl_attack.core.columns import normalize_columns
 from fl_attack.steps import activations, peel
 from fl_attack.steps.decompose import decompose
 from fl_attack.steps.scale import make_system
-from fl_attack.config import AttackConfig
 from fl_attack.steps.tolerances import output_tolerances, rank_floor
 from fl_attack.testbed import data, models
 from tests.conftest import compute_output_grad
@@ -78,7 +78,8 @@ def test_the_samples_are_the_points_the_next_layers_span_holds(update) -> None:
     Q, inactive = activations.columns_of_points(u["dec"].L, frame, b, P)
     assert torch.equal(inactive, u["inactive"].T)
     assert (normalize_columns(Q) * u["truth"]).sum(dim=0).abs().min() > 1 - 1e-8
-    assert bool(activations.consistent_columns(u["dec"].L, Q, inactive, u["system"].zero_rtol).all())
+    ok = activations.consistent_columns(u["dec"].L, Q, inactive, u["system"].zero_rtol)
+    assert bool(ok.all())
     normals = frame.to_L @ u["truth"]  # (B, B)
     cross = (P / P.norm(dim=1, keepdim=True)) @ (normals / normals.norm(dim=0))
     off = cross - torch.diag(torch.diag(cross))

@@ -351,6 +351,23 @@ def test_a_noisy_verdict_says_why_the_search_ended() -> None:
     assert timed is not None and "time budget ended" in timed and "improving" not in timed
 
 
+def test_a_verdict_counts_the_samples_verified_one_by_one() -> None:
+    """Samples verified on their own through the next layer (``Reconstruction.verified``) are
+    read exactly even when the batch is partial or not certified: the reason says how many,
+    and never that no sample is guaranteed."""
+    partial = {"batch_size": 100, "n_directions": 80, "exact": False, "verified": [3, 7, 9]}
+    status, reason = verdicts.reconstruction_verdict(partial)
+    assert status == verdicts.PARTIAL and reason is not None
+    assert "3 sample(s) verified" in reason and "no sample is guaranteed" not in reason
+    _, plain = verdicts.reconstruction_verdict({**partial, "verified": []})
+    assert plain is not None and "no sample is guaranteed" in plain
+    full = {"batch_size": 100, "n_directions": 100, "exact": False, "sparsity_match": 0.9,
+            "verified": [1, 2]}
+    status, reason = verdicts.reconstruction_verdict(full)
+    assert status == verdicts.NOT_CERTIFIED and reason is not None
+    assert "λ = 0.9000" in reason and "2 sample(s) verified" in reason
+
+
 def test_central_dp_epsilon_is_taken_from_flowers_own_accountant(tmp_path) -> None:
     """A wrapped central-DP strategy with ``accountant=``: the report states its ε, naming the
     accountant, beside the warning that central DP does not protect the updates read."""
