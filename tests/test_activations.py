@@ -62,10 +62,10 @@ def _same(Q: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
 
 def test_the_samples_are_the_points_the_next_layers_span_holds(update) -> None:
     """At the true samples the activation residual vanishes to the next layer's precision (a
-    thousandth of its least value at random points of the row space), each
-    point's inactive units give its sample's exact column, which ``consistent_columns``
-    accepts; and each sample's point is orthogonal to the other samples' columns (the
-    deflation of later descents)."""
+    thousandth of its least value at random points of the row space), each point's inactive
+    units give its sample's column (to 10⁻⁶ in angle, the float32 precision of the weakest
+    columns), which ``consistent_columns`` accepts; and each sample's point is orthogonal to
+    the other samples' columns (the deflation of later descents)."""
     u = update
     frame, b = u["frame"], u["b"]
     P, residual = activations.consistent_points(frame, b, u["span"], u["points"], steps=0,
@@ -77,7 +77,7 @@ def test_the_samples_are_the_points_the_next_layers_span_holds(update) -> None:
     assert float(residual.max()) < 1e-6 < 1e-3 * float(elsewhere.min())
     Q, inactive = activations.columns_of_points(u["dec"].L, frame, b, P)
     assert torch.equal(inactive, u["inactive"].T)
-    assert (normalize_columns(Q) * u["truth"]).sum(dim=0).abs().min() > 1 - 1e-8
+    assert (normalize_columns(Q) * u["truth"]).sum(dim=0).abs().min() > 1 - 1e-6
     ok = activations.consistent_columns(u["dec"].L, Q, inactive, u["system"].zero_rtol)
     assert bool(ok.all())
     normals = frame.to_L @ u["truth"]  # (B, B)
@@ -106,7 +106,7 @@ def test_a_column_that_is_not_a_samples_is_never_accepted(update) -> None:
 def test_snapping_returns_a_nearby_point_to_its_sample(update) -> None:
     """A point a descent left next to its sample (units on the wrong side of their threshold)
     is moved onto its sample's pattern by solving the pattern, and that pattern gives the
-    sample's exact column."""
+    sample's column."""
     u = update
     frame, b = u["frame"], u["b"]
     P = u["points"]
@@ -118,7 +118,7 @@ def test_snapping_returns_a_nearby_point_to_its_sample(update) -> None:
     snapped = activations.snap_points(frame, b, u["span"], moved)
     assert torch.equal((snapped @ frame.WV.T + b) <= 0, u["inactive"])
     Q, _ = activations.columns_of_points(u["dec"].L, frame, b, snapped)
-    assert (normalize_columns(Q) * u["truth"]).sum(dim=0).abs().min() > 1 - 1e-8
+    assert (normalize_columns(Q) * u["truth"]).sum(dim=0).abs().min() > 1 - 1e-6
 
 
 def test_a_points_pattern_verifies_its_sample_through_the_next_layer(update) -> None:
