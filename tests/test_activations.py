@@ -42,8 +42,9 @@ def update(mnist_model):  # noqa: F811 (the fixture)
     zero_rtol, z_band = output_tolerances(dec, AttackConfig(), torch.float32,
                                           torch.device("cpu"))
     system = make_system(dec.L, dec.R, g.double(), W, b, zero_rtol, z_band, subset=False)
-    span = activations.activation_span(G2, rank_floor(torch.float32))
-    assert span is not None
+    rows2 = peel.next_layer_rows(G2, 20, rank_floor(torch.float32), any_rank=True)
+    assert rows2 is not None
+    span = rows2.T
     frame = activations.row_frame(dec.R, system.WR)
     X = xn.reshape(20, -1).double()
     coords = torch.linalg.lstsq(dec.R.T, X.T).solution  # (B, B): x_i = Rᵀ c_i

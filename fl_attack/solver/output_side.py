@@ -30,7 +30,7 @@ from fl_attack.solver.state import (
     system_has_weights,
 )
 from fl_attack.solver.untangle import untangle
-from fl_attack.steps import activations, batch_size, peel
+from fl_attack.steps import batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.match import sparsity_match
 from fl_attack.steps.scale import make_system, reconstruct
@@ -329,11 +329,8 @@ def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
     B = ctx.B
     if layer.next_weight_grad is not None and rows2 is None and not ctx.noisy and B > 1:
         t0 = time.perf_counter()
-        floor = rank_floor(layer.precision)
-        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, floor, ctx.generator)
-        if rows2 is None:
-            span = activations.activation_span(layer.next_weight_grad, floor)
-            rows2 = span.T.contiguous() if span is not None else None
+        rows2 = peel.next_layer_rows(layer.next_weight_grad, B, rank_floor(layer.precision),
+                                     ctx.generator, any_rank=True)
         ctx.clock.tick("peel", t0)
         if rows2 is None:
             warnings.warn("next_weight_grad has no rank reading: samples are not peeled",

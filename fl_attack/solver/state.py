@@ -55,8 +55,8 @@ class SearchContext:
     rounds minimise the sign-aware loss and always restart uniformly."""
     tuning: Tuning = TUNING
     activation_span: torch.Tensor | None = None
-    """(m, r) the next layer's activation span (``activations.activation_span``), when its
-    gradient is given on a clean update: the activation rounds run."""
+    """(m, r) the next layer's activation span (``peel.next_layer_rows``), when its gradient
+    is given on a clean update: the activation rounds run."""
 
     @property
     def B(self) -> int:

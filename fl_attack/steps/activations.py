@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from fl_attack.core.clock import passed
-from fl_attack.steps.decompose import NotIdentifiable, decompose
 
-__all__ = ["RowFrame", "activation_span", "columns_of_points", "consistent_columns",
+__all__ = ["RowFrame", "columns_of_points", "consistent_columns",
            "consistent_points", "row_frame", "snap_points", "starts"]
 
 
@@ -47,24 +46,6 @@ class RowFrame:
     whose complement holds the other samples' points: S⁻¹ Uᵀ q, with R = U S Vᵀ."""
     from_L: torch.Tensor
     """(B, B) maps a row of L to the frame: S Uᵀ (the point of G's row, before its bias)."""
-
-
-def activation_span(next_weight_grad: torch.Tensor, floor_rtol: float) -> torch.Tensor | None:
-    """(m, r) orthonormal basis of the next layer's inputs' span: the row space of its
-    weight gradient at its own rank reading, or None when the rank is not identified.
-
-    Parameters
-    ----------
-    next_weight_grad : (k, m)
-        The next layer's weight gradient.
-    floor_rtol
-        The rank floor of its precision (``tolerances.rank_floor``).
-    """
-    try:
-        dec = decompose(next_weight_grad.double(), floor_rtol=floor_rtol)
-    except NotIdentifiable:
-        return None
-    return torch.linalg.qr(dec.R.T).Q
 
 
 def row_frame(R: torch.Tensor, WR: torch.Tensor) -> RowFrame:
@@ -111,7 +92,8 @@ def consistent_points(frame: RowFrame, bias: torch.Tensor, span: torch.Tensor,
     bias : (m,)
         The layer's bias.
     span : (m, r)
-        The next layer's activation span (:func:`activation_span`).
+        The next layer's activation span, orthonormal columns
+        (``peel.next_layer_rows(..., any_rank=True)`` transposed).
     P0 : (K, B)
         The starts (:func:`starts`).
     found : (B, F), optional
@@ -188,7 +170,7 @@ def snap_points(frame: RowFrame, bias: torch.Tensor, span: torch.Tensor, P: torc
 
 
 def columns_of_points(L: torch.Tensor, frame: RowFrame, bias: torch.Tensor,
-                      P: torch.Tensor, margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unit column directions: for each point, the kernel of L on the units the point leaves
     inactive (its smallest eigenvector of Lᵀ diag(inactive) L).
 
@@ -206,8 +188,7 @@ def columns_of_points(L: torch.Tensor, frame: RowFrame, bias: torch.Tensor,
     inactive : (m, K) bool
         Each point's inactive units.
     """
-    Z = P @ frame.WV.T + bias.double()  # (K, m)
-    inactive = Z <= -margin * Z.abs().median(dim=1, keepdim=True).values
+    inactive = (P @ frame.WV.T + bias.double()) <= 0  # (K, m)
     Ld = L.double()
     out = []
     for part in inactive.double().split(64):  # (64, m, B) at a time

@@ -77,10 +77,14 @@ class Peeled:
 
 
 def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol: float,
-                    generator: torch.Generator | None = None) -> torch.Tensor | None:
+                    generator: torch.Generator | None = None, *,
+                    any_rank: bool = False) -> torch.Tensor | None:
     """(B, m) orthonormal basis of the next layer's activations' span, or None when the next
     layer's gradient does not have rank B (a sample with a zero loss gradient there, or two
-    with the same activations: then no kernel is trustworthy).
+    with the same activations: then no kernel is trustworthy). With ``any_rank``, the span at
+    the next layer's own rank reading (r, m) where that differs from B (None only when the
+    rank is not identified): a trained model's weakest samples fall below float32 rounding at
+    a different rank in each layer, and each sample is verified on its own.
 
     A randomised range finder with one power step (O(k m B) instead of an SVD of the whole
     k x m matrix) when its spectrum shows a clean cliff after B values; ``decompose`` otherwise.
@@ -100,7 +104,7 @@ def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol:
         dec = decompose(G2, floor_rtol=floor_rtol)
     except NotIdentifiable:  # the next layer's rank is full or zero: not B either
         return None
-    if dec.batch_size != B:
+    if dec.batch_size != B and not any_rank:
         return None
     return torch.linalg.qr(dec.R.T).Q.T  # the row space, orthonormal
 
