@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from fl_attack.config import AttackConfig
-from fl_attack.core.columns import normalize_columns
+from fl_attack.core.columns import ColumnNoiseRtol, normalize_columns, zero_mask
+from fl_attack.solver import candidates
+from fl_attack.solver.state import SearchState
 from fl_attack.steps import activations, peel
 from fl_attack.steps.decompose import decompose
+from fl_attack.steps.peel import Peeled
 from fl_attack.steps.scale import make_system
-from fl_attack.steps.tolerances import output_tolerances, rank_floor
+from fl_attack.steps.tolerances import ZERO_FLOOR, ZERO_SD, output_tolerances, rank_floor, row_noise
 from fl_attack.testbed import data, models
 from tests.conftest import compute_output_grad
 from tests.test_trained_models import mnist_model  # noqa: F401 (the fixture)
@@ -52,7 +55,7 @@ def update(mnist_model):  # noqa: F811 (the fixture)
     inactive = (X @ W.T + b) <= 0  # (B, m)
     D = compute_output_grad(model, xn, y[-20:]).double()  # (m, B)
     truth = normalize_columns(dec.L.T @ D)  # (B, B) the true columns in L's coordinates
-    return dict(dec=dec, system=system, span=span, frame=frame, X=X, b=b, points=points,
+    return dict(dec=dec, system=system, span=span, frame=frame, X=X, W=W, b=b, points=points,
                 coords=coords, inactive=inactive, truth=truth)
 
 
@@ -135,3 +138,66 @@ def test_a_points_pattern_verifies_its_sample_through_the_next_layer(update) -> 
     X = u["X"][got.verified]
     err = (got.inputs - X).norm(dim=1) / X.norm(dim=1)
     assert float(err.max()) < 1e-4
+
+
+def test_recover_reads_each_column_at_its_own_zero_test(update) -> None:
+    """Without the points' patterns, ``peel.recover`` reads each column's zero rows with the
+    search's per-column test (``zero_mask``). A trained model at large B has a loose
+    batch-wide tolerance (its weakest samples near the rounding) that the per-column test
+    tightens on strong columns; read at the loose value, a strong column's small true
+    entries count as zeros and its sample does not verify. Built here directly: a loose
+    tolerance of 10⁻² over this batch's per-column noise."""
+    u = update
+    dec, system = u["dec"], u["system"]
+    rtol = ColumnNoiseRtol(1e-2, dec.L.double(), row_noise(dec, torch.device("cpu")),
+                           ZERO_FLOOR[torch.float32], ZERO_SD)
+    rows2 = u["span"].T.contiguous()
+    args = (u["truth"], dec.L, dec.R, rows2, system.WR, system.bias)
+    kw = dict(z_band=system.z_band, precision=torch.float32)
+    got = peel.recover(*args, zero_rtol=rtol, **kw)
+    loose = peel.recover(*args, zero_rtol=float(rtol), **kw)
+    assert int(loose.verified.sum()) < int(got.verified.sum())  # the situation
+    own = peel.recover(*args, zero_rtol=rtol, zeros=zero_mask(dec.L @ u["truth"], rtol), **kw)
+    assert torch.equal(got.verified, own.verified)
+    X = u["X"][got.verified]
+    assert float(((got.inputs - X).norm(dim=1) / X.norm(dim=1)).max()) < 1e-3
+
+
+def test_the_missing_columns_lie_outside_the_verified_samples_coordinates(update) -> None:
+    """``candidates.verified_complement``: with some samples verified (their coordinates,
+    rows of Q⁻¹), every other sample's column lies in the complement it returns, and no
+    verified sample's column does; so the search there is a search at the smaller batch."""
+    u = update
+    truth, coords = u["truth"], u["coords"].T  # (B, B) columns, (B, B) rows x_i = c_iᵀ R
+    done = torch.arange(8)
+    state = SearchState(verified=Peeled(inputs=u["X"][done], coords=coords[done],
+                                        columns=truth[:, done],
+                                        verified=torch.ones(8, dtype=torch.bool)))
+    N = candidates.verified_complement(state, 20)
+    assert N is not None and N.shape == (20, 12)
+    assert torch.allclose(N.T @ N, torch.eye(12, dtype=N.dtype), atol=1e-10)
+    inside = (N.T @ truth).norm(dim=0)
+    assert float(inside[8:].min()) > 1 - 1e-6
+    assert float(inside[:8].max()) < 1 - 1e-3
+
+
+def test_a_weaker_samples_activation_is_a_kernel_by_its_gap(update) -> None:
+    """A sample whose activation the next layer's span holds only to 3·10⁻⁵ (a trained
+    model's weaker samples) is still the span's one vector vanishing on its inactive units:
+    the smallest singular value is far below the next (``peel.KERNEL_GAP``), and the vector
+    and its active units are the sample's."""
+    u = update
+    H = torch.relu(u["X"] @ u["W"].T + u["b"])  # (B, m) the true activations
+    gen = torch.Generator().manual_seed(2)
+    noise = torch.randn(H.shape[1], generator=gen, dtype=H.dtype)
+    noise = noise - H[0] * (H[0] @ noise) / (H[0] @ H[0])
+    rows = H.clone()
+    rows[0] = H[0] + 3e-5 * H[0].norm() * noise / noise.norm()  # the span holds H[0] to 3e-5
+    rows2 = torch.linalg.qr(rows.T).Q.T  # (B, m) orthonormal span
+    zero = u["inactive"][0]
+    _, sv, _ = torch.linalg.svd(rows2[:, zero].T, full_matrices=False)
+    assert float(sv[-1]) > peel.KERNEL_RTOL[torch.float32] * float(sv[0])  # no plain kernel
+    kernel, kept = peel._kernel(rows2, zero, peel.KERNEL_RTOL[torch.float32])
+    assert kernel is not None and kernel.shape[1] == 1 and torch.equal(kept, zero)
+    h = kernel[:, 0]
+    assert float((h @ H[0]).abs() / (h.norm() * H[0].norm())) > 1 - 1e-8

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from fl_attack.core.columns import dedupe, normalize_columns, zero_mask
+from fl_attack.core.columns import dedupe, normalize_columns, pattern_keys, zero_mask
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import SearchContext, SearchState
 from fl_attack.steps import activations, completion, faces, polish, sampling, search
@@ -43,8 +43,14 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     trusted = state.deflated if use else None
     deflate = trusted is not None and 0 < trusted.shape[1] < B
     sought = B - trusted.shape[1] if deflate and trusted is not None else B
+    N = verified_complement(state, B)
+    if N is not None:  # the missing columns lie in N's span: search there, from anywhere
+        sought, deflate = N.shape[1], True
     K = cfg.n_init or max(ctx.tuning.starts_floor, ctx.tuning.starts_per_column * sought)
-    if deflate:
+    if N is not None:
+        init = search.random_sphere(K, N.shape[1], generator=ctx.generator, dtype=dtype,
+                                    device=ctx.device)
+    elif deflate:
         assert trusted is not None
         init = search.random_complement(trusted, K, generator=ctx.generator, dtype=dtype,
                                         device=ctx.device)
@@ -56,11 +62,14 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     if alternate and state.rounds % 2 == 0:  # the other optimiser finds other minima
         optimizer = "pgd" if optimizer == "radam" else "radam"
     lr = cfg.lr if optimizer == cfg.optimizer else None
+    L_search = ctx.L if N is None else ctx.L @ N.to(ctx.L)
     Qopt = search.optimise_on_sphere(
-        ctx.L.to(dtype), init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
+        L_search.to(dtype), init, loss=cfg.loss, optimizer=optimizer, steps=cfg.steps, lr=lr,
         milestones=cfg.lr_milestones, gamma=cfg.lr_gamma, alpha=cfg.logcosh_alpha,
         objective=ctx.objective(), deadline=clock.deadline,
     )
+    if N is not None:
+        Qopt = N.to(Qopt) @ Qopt
     Qopt = normalize_columns(Qopt.double())
     Qopt = Qopt[:, dedupe(Qopt, ctx.tuning.minima_dedupe)]  # most starts share a few minima
     clock.tick("search", t0)
@@ -79,6 +88,9 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     Qp, zeros, face_dim, lev = polish_within_budget(ctx, Qopt, n_rows)
     Qopt = Qopt[:, :Qp.shape[1]]
     pool.add(Qp, zeros, lev)
+    if N is not None:
+        verify_sparsest(ctx, state, pool, Qp[:, (face_dim == 1) & (zeros >= ctx.min_zeros)],
+                        zeros[(face_dim == 1) & (zeros >= ctx.min_zeros)], limit=2 * N.shape[1])
     in_face = torch.nonzero(face_dim > 1).squeeze(1)
     vertices = torch.nonzero((face_dim == 1) & (zeros >= ctx.min_zeros)
                              & (lev >= cfg.max_leverage)).squeeze(1)
@@ -127,7 +139,8 @@ def activation_round(ctx: SearchContext, state: SearchState, pool: CandidatePool
             state.activation_found = (new if state.activation_found is None
                                       else torch.cat([state.activation_found, new], dim=1))
             snapped = activations.snap_points(frame, system.bias, span, points[fresh])
-            _verify(ctx, state, *activations.columns_of_points(L, frame, system.bias, snapped))
+            _verify(ctx, state, *activations.columns_of_points(L, frame, system.bias, snapped),
+                    pool)
         clock.tick("activations", t0)
         t0 = time.perf_counter()
         Qp, zeros, _, lev = polish_within_budget(ctx, Q, ctx.n_rows())
@@ -154,25 +167,79 @@ def _new_columns(Q: torch.Tensor, known: torch.Tensor | None, tol: float) -> tor
 
 
 def _verify(ctx: SearchContext, state: SearchState, Q: torch.Tensor,
-            inactive: torch.Tensor) -> None:
+            inactive: torch.Tensor, pool: CandidatePool) -> None:
     """Recover the samples of the exact columns ``Q`` (B, k) through the next layer, each on
-    its point's inactive units (``inactive``, m x k), and keep the verified ones in
-    ``state.verified``."""
+    its point's inactive units (``inactive``, m x k), and keep the verified ones
+    (:func:`keep_verified`)."""
     if state.recover is not None:
-        keep_verified(state, state.recover(Q, ctx.clock.deadline, zeros=inactive))
+        keep_verified(state, state.recover(Q, ctx.clock.deadline, zeros=inactive), pool)
 
 
-def keep_verified(state: SearchState, got: Peeled) -> None:
-    """Add the verified samples of ``got`` to ``state.verified``."""
+def verify_sparsest(ctx: SearchContext, state: SearchState, pool: CandidatePool,
+                    Q: torch.Tensor, zeros: torch.Tensor, *, limit: int) -> None:
+    """Try to verify the samples of the ``limit`` sparsest columns of ``Q`` (B, k; zero counts
+    ``zeros``) whose zero patterns were not tried yet, on their own zero rows
+    (``state.recover``), and keep the verified ones (:func:`keep_verified`)."""
+    if state.recover is None or not Q.shape[1] or ctx.clock.expired():
+        return
+    t0 = time.perf_counter()
+    keys = pattern_keys(zero_mask(ctx.L @ Q.to(ctx.L), ctx.zero_rtol))
+    todo = [j for j in torch.argsort(zeros, descending=True).tolist()
+            if keys[j] not in state.peel_tried][:limit]
+    state.peel_tried.update(keys[j] for j in todo)
+    if todo:
+        keep_verified(state, state.recover(Q[:, todo], ctx.clock.deadline), pool)
+    ctx.clock.tick("peel", t0)
+
+
+def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = None) -> None:
+    """Add the verified samples of ``got`` that are new (their columns more than 10⁻⁶ in
+    angle from those kept) to ``state.verified``, and their columns to ``pool`` as proven
+    (selected before any other candidate)."""
     if not bool(got.verified.any()):
         return
     old = state.verified
+    cols = normalize_columns(got.columns)
+    new = torch.ones(cols.shape[1], dtype=torch.bool, device=cols.device)
+    if old is not None and old.columns.shape[1]:
+        cos = (normalize_columns(old.columns.to(cols)).T @ cols).abs()
+        new = cos.amax(dim=0) <= 1 - 1e-6
+    for j in range(cols.shape[1]):  # and not twice within got
+        if new[j] and j and bool(((cols[:, :j].T @ cols[:, j]).abs() > 1 - 1e-6).any()):
+            new[j] = False
+    if not bool(new.any()):
+        return
+    got = Peeled(inputs=got.inputs[new], coords=got.coords[new], columns=got.columns[:, new],
+                 verified=got.verified)
+    if pool is not None:
+        pool.add(cols[:, new], torch.zeros(int(new.sum()), dtype=torch.long), proven=True)
     if old is not None:
         got = Peeled(inputs=torch.cat([old.inputs, got.inputs]),
                      coords=torch.cat([old.coords, got.coords]),
                      columns=torch.cat([old.columns, got.columns], dim=1),
                      verified=torch.cat([old.verified, got.verified]))
     state.verified = got
+
+
+def verified_complement(state: SearchState, B: int) -> torch.Tensor | None:
+    """(B, B - F) orthonormal basis of the directions orthogonal to the F verified samples'
+    coordinates (``state.verified``), or None when none are verified.
+
+    G = (L Q)(Q⁻¹ R): a verified sample's coordinates c (x = cᵀ R) are its row of Q⁻¹, which
+    is orthogonal to every other sample's column. So the columns still missing lie in this
+    complement, exactly up to the coordinates' precision (the found ones polish back to exact
+    kernels of L), and the search there is a search at batch size B - F, without the
+    re-decomposition a peel needs (``peel.reduced``), which a trained model's gradual
+    spectrum can refuse.
+    """
+    got = state.verified
+    if got is None or not got.coords.shape[0] or got.coords.shape[0] >= B - 1:
+        return None
+    C = got.coords.double()
+    C = C / C.norm(dim=1, keepdim=True)
+    _, sv, Vh = torch.linalg.svd(C, full_matrices=True)
+    r = int((sv > 1e-6 * sv[0]).sum())
+    return Vh[r:].T.contiguous() if r < B - 1 else None
 
 
 def polish_within_budget(ctx: SearchContext, Q: torch.Tensor, n_rows: int

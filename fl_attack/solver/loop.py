@@ -197,19 +197,26 @@ def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,
         now = certify.assess(ctx, state, pool)
         late = passed(clock.at(tuning.peel_time_share))
         min_new = max(1, B // 10 if late else int(tuning.peel_share * B))
-        if not now.done and peel_found(ctx, state, min_new=min_new):
+        if not now.done and peel_found(ctx, state, pool, min_new=min_new):
             return now
     if not now.done:
-        peel_found(ctx, state, deadline=clock.finish_deadline)
+        peel_found(ctx, state, pool, deadline=clock.finish_deadline)
     return now
 
 
-def peel_found(ctx: SearchContext, state: SearchState, min_new: int = 1,
+def peel_found(ctx: SearchContext, state: SearchState, pool: CandidatePool, min_new: int = 1,
                deadline: float | None = None) -> bool:
     """Recover the samples of the trusted columns not tried yet, when at least ``min_new``,
     before ``deadline`` (by default the search's); True when some were verified (then in
-    ``state.peeled``, for the caller to peel off)."""
-    if state.peeler is None or state.trusted is None or ctx.clock.expired(deadline):
+    ``state.peeled``, for the caller to peel off). Once peeling is given up (no clean rank
+    left), the verified samples are kept instead (``candidates.verify_sparsest``), and
+    later rounds search the complement of their coordinates."""
+    if state.trusted is None or ctx.clock.expired(deadline):
+        return False
+    if state.peeler is None:
+        candidates.verify_sparsest(ctx, state, pool, state.trusted,
+                                   zero_mask(ctx.L @ state.trusted, ctx.zero_rtol).sum(dim=0),
+                                   limit=ctx.B)
         return False
     keys = pattern_keys(zero_mask(ctx.L @ state.trusted, ctx.zero_rtol))
     todo = [j for j, key in enumerate(keys) if key not in state.peel_tried]
@@ -237,5 +244,7 @@ def _log_round(ctx: SearchContext, state: SearchState, pool: CandidatePool,
         return
     lam = f"{state.match.value:.4f}" if state.match else "-"
     trusted = state.trusted.shape[1] if state.trusted is not None else 0
-    progress(ctx, "%.1fs: round %d: %d candidates, %d/%d directions (%d trusted), λ=%s",
-              ctx.clock.elapsed(), state.rounds, len(pool), now.count, ctx.B, trusted, lam)
+    verified = 0 if state.verified is None else state.verified.coords.shape[0]
+    progress(ctx, "%.1fs: round %d: %d candidates, %d/%d directions (%d trusted, %d verified), "
+             "λ=%s", ctx.clock.elapsed(), state.rounds, len(pool), now.count, ctx.B, trusted,
+             verified, lam)

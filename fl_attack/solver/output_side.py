@@ -277,7 +277,7 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
                           "goes on without peeling (their rows keep the verified inputs)",
                           stacklevel=4)
             state.peeler = None
-            candidates.keep_verified(state, peeled)
+            candidates.keep_verified(state, peeled, pool)
             continue
         loop.progress(ctx, "%.1fs: peeled %d verified samples through the next layer, %d left",
                       clock.elapsed(), F, B - F)

@@ -53,7 +53,8 @@ class CandidatePool:
         return self.columns.shape[1]
 
     def add(self, Q: torch.Tensor, zeros: torch.Tensor,
-            leverage: torch.Tensor | None = None, *, least_zeros: int | None = None) -> None:
+            leverage: torch.Tensor | None = None, *, least_zeros: int | None = None,
+            proven: bool = False) -> None:
         """Add the candidates among ``Q`` (B, k) that pass the filters.
 
         Parameters
@@ -68,8 +69,15 @@ class CandidatePool:
         least_zeros
             The zero count a candidate needs instead of ``ctx.min_zeros``: B - 1 for columns
             whose zeros are proven otherwise (``activations.consistent_columns``).
+        proven
+            The columns of samples verified on their own (``peel.recover``): kept whatever
+            their zero count, and ranked before every other candidate (score m + 1).
         """
         ctx = self.ctx
+        if proven:
+            zeros = torch.full((Q.shape[1],), ctx.L.shape[0] + 1, dtype=torch.long,
+                               device=Q.device)
+            least_zeros, leverage = 0, None
         keep = zeros >= (ctx.min_zeros if least_zeros is None else least_zeros)
         if leverage is not None:
             keep &= leverage < ctx.cfg.max_leverage

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from fl_attack.core.clock import passed
+from fl_attack.core.columns import zero_mask
 from fl_attack.errors import NotIdentifiable
 from fl_attack.steps.decompose import Decomposition, decompose
 
@@ -32,6 +33,16 @@ below this, and the next singular value far above. The float32 value is the pre-
 band (``tolerances.Z_BAND``): a unit whose activation is that small cannot be told from an
 inactive one anyway. The kernel test only picks h; the residual and pattern checks in
 :func:`recover` certify the sample."""
+
+KERNEL_GAP = 1e-3
+"""A smallest singular value below this fraction of the next one also counts as a kernel: a
+trained model's weaker samples have activations in the next layer's span only to 10⁻⁵-10⁻⁴
+(their contribution is that close to the rounding), a clear gap above which the next
+singular values stay at 0.1-0.3."""
+
+SUPPORT_NOISE = 10.0
+"""An activation's unit is active when its entry exceeds this many times the kernel vector's
+noise, read off its entries on the zero rows (their 98th percentile: chance zeros aside)."""
 
 TRIM_ROUNDS = 12
 """Times the zero rows are trimmed when they have no kernel: a column's zero test also passes
@@ -119,6 +130,8 @@ def _kernel(rows2: torch.Tensor, zero: torch.Tensor, tol: float
             return None, zero
         _, sv, Vh = torch.linalg.svd(rows2[:, zero].T, full_matrices=False)
         r = int((sv <= tol * sv[0]).sum())
+        if not r and sv.numel() > 1 and sv[-1] <= KERNEL_GAP * sv[-2]:
+            r = 1  # a weaker sample's activation, in the span to its own precision
         if r:
             return rows2.T @ Vh[-r:].T, zero
         h = rows2.T @ Vh[-1]
@@ -147,8 +160,10 @@ def recover_sample(zero: torch.Tensor, rows2: torch.Tensor, WR: torch.Tensor,
     if H is None:
         return None
     active = ~kept
-    if H.shape[1] == 1:  # the activation itself: its support is the active set
-        active = H[:, 0].abs() > 1e-5 * H[:, 0].abs().max()
+    if H.shape[1] == 1:  # the activation itself: its support (above its noise) is the active set
+        h = H[:, 0].abs()
+        noise = float(torch.quantile(h[kept], 0.98)) if bool(kept.any()) else 0.0
+        active = h > max(1e-5 * float(h.max()), SUPPORT_NOISE * noise)
     A = torch.cat([WR[active], -H[active]], dim=1)
     sv = torch.linalg.svdvals(A / A.norm(dim=0).clamp_min(torch.finfo(A.dtype).tiny))
     if not float(sv[-1]) > UNIQUE_RTOL[precision] * float(sv[0]):
@@ -200,8 +215,9 @@ def recover(
         The tolerances and the gradient's precision.
     zeros : (m, K) bool, optional
         Each column's inactive units where they are known otherwise (the points of
-        ``activations``); by default the rows where the column is below ``zero_rtol`` of its
-        largest entry.
+        ``activations``); by default the column's zero rows (``zero_mask``: under a
+        per-column tolerance, the strong columns' own tighter test, so their small true
+        entries are not taken for zeros).
 
     Returns
     -------
@@ -210,13 +226,12 @@ def recover(
     """
     B = L.shape[1]
     V = L @ columns
+    zero_rows = zero_mask(V, zero_rtol) if zeros is None else zeros
     coords, kept = [], []
     for k in range(V.shape[1]):
         if k > 0 and passed(deadline):
             break
-        v = V[:, k]
-        zero = v.abs() <= zero_rtol * v.abs().max() if zeros is None else zeros[:, k]
-        c = recover_sample(zero, rows2, WR, bias, z_band=z_band, precision=precision)
+        c = recover_sample(zero_rows[:, k], rows2, WR, bias, z_band=z_band, precision=precision)
         if c is not None:
             coords.append(c)
             kept.append(k)
