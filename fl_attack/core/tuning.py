@@ -65,6 +65,10 @@ class Tuning:
     """Adam's step size in the row space's orthonormal coordinates."""
     activation_descents: int = 50
     """Descents of one activation round (each outside the columns the earlier ones found)."""
+    activation_min_new: int = 2
+    """An activation round stops after a descent that finds fewer new exact columns: the
+    last few descents of a round find one column each in the time a search round in the
+    complement of the samples found takes (MNIST, B = 100)."""
     starts_floor: int = 256
     """Least number of random starts of a SPEAR++ round (``AttackConfig.n_init`` = None)."""
     starts_per_column: int = 20

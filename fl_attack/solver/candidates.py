@@ -139,6 +139,9 @@ def activation_round(ctx: SearchContext, state: SearchState, pool: CandidatePool
             state.activation_found = (new if state.activation_found is None
                                       else torch.cat([state.activation_found, new], dim=1))
             snapped = activations.snap_points(frame, system.bias, span, points[fresh])
+            coords = snapped @ frame.to_L  # (k, B): x = V p = Rᵀ (U S⁻¹ p)
+            state.activation_coords = (coords if state.activation_coords is None
+                                       else torch.cat([state.activation_coords, coords]))
             _verify(ctx, state, *activations.columns_of_points(L, frame, system.bias, snapped),
                     pool)
         clock.tick("activations", t0)
@@ -153,7 +156,7 @@ def activation_round(ctx: SearchContext, state: SearchState, pool: CandidatePool
         log.log(logging.INFO if ctx.cfg.progress else logging.DEBUG,
                 "%.1fs: activation descent: %d exact columns (%d new, %d in all)",
                 clock.elapsed(), exact.shape[1], new.shape[1], total)
-        if not new.shape[1] or clock.expired():
+        if new.shape[1] < tuning.activation_min_new or clock.expired():
             break
 
 
@@ -222,20 +225,34 @@ def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = 
 
 
 def verified_complement(state: SearchState, B: int) -> torch.Tensor | None:
-    """(B, B - F) orthonormal basis of the directions orthogonal to the F verified samples'
-    coordinates (``state.verified``), or None when none are verified.
+    """(B, B - F) orthonormal basis of the directions orthogonal to the coordinates of the F
+    samples known exactly, or None when there are none: the verified samples
+    (``state.verified``) and the exact points of the activation rounds
+    (``state.activation_coords``, those whose columns are not verified ones).
 
-    G = (L Q)(Q⁻¹ R): a verified sample's coordinates c (x = cᵀ R) are its row of Q⁻¹, which
-    is orthogonal to every other sample's column. So the columns still missing lie in this
-    complement, exactly up to the coordinates' precision (the found ones polish back to exact
-    kernels of L), and the search there is a search at batch size B - F, without the
-    re-decomposition a peel needs (``peel.reduced``), which a trained model's gradual
-    spectrum can refuse.
+    G = (L Q)(Q⁻¹ R): a sample's coordinates c (x = cᵀ R) are its row of Q⁻¹, which is
+    orthogonal to every other sample's column. So the columns still missing lie in this
+    complement, exactly up to the coordinates' precision (the columns found there polish
+    back to exact kernels of L), and the search there is a search at batch size B - F,
+    without the re-decomposition a peel needs (``peel.reduced``), which a trained model's
+    gradual spectrum can refuse.
     """
+    rows = []
     got = state.verified
-    if got is None or not got.coords.shape[0] or got.coords.shape[0] >= B - 1:
+    if got is not None and got.coords.shape[0]:
+        rows.append(got.coords.double())
+    if state.activation_coords is not None and state.activation_found is not None:
+        keep = torch.ones(state.activation_coords.shape[0], dtype=torch.bool)
+        if got is not None and got.columns.shape[1]:
+            cos = (normalize_columns(got.columns.double()).T
+                   @ normalize_columns(state.activation_found.double())).abs()
+            keep = (cos.amax(dim=0) <= 1 - 1e-6).cpu()
+        rows.append(state.activation_coords.double()[keep.to(state.activation_coords.device)])
+    if not rows:
         return None
-    C = got.coords.double()
+    C = torch.cat(rows)
+    if not C.shape[0] or C.shape[0] >= B - 1:
+        return None
     C = C / C.norm(dim=1, keepdim=True)
     _, sv, Vh = torch.linalg.svd(C, full_matrices=True)
     r = int((sv > 1e-6 * sv[0]).sum())

@@ -201,6 +201,10 @@ class SearchState:
     activation_found: torch.Tensor | None = None
     """(B, F) exact columns the activation rounds found (``candidates.activation_round``);
     later descents search outside them."""
+    activation_coords: torch.Tensor | None = None
+    """(F, B) the coordinates c (x = cᵀ R) of the exact points behind ``activation_found``'s
+    columns, in the same order: rows of Q⁻¹, whose complement holds the missing columns
+    (``candidates.verified_complement``)."""
     verified: Peeled | None = None
     """Samples verified on their own through the next layer but not peeled off: those of the
     activation rounds' exact columns (``peel.recover`` on each point's inactive units), and
