@@ -165,8 +165,9 @@ def test_recover_reads_each_column_at_its_own_zero_test(update) -> None:
 
 def test_the_missing_columns_lie_outside_the_verified_samples_coordinates(update) -> None:
     """``candidates.verified_complement``: with some samples verified (their coordinates,
-    rows of Q⁻¹), every other sample's column lies in the complement it returns, and no
-    verified sample's column does; so the search there is a search at the smaller batch."""
+    rows of Q⁻¹), and then also some exact points of the activation rounds, every other
+    sample's column lies in the complement it returns, and no such sample's column does; so
+    the search there is a search at the smaller batch."""
     u = update
     truth, coords = u["truth"], u["coords"].T  # (B, B) columns, (B, B) rows x_i = c_iᵀ R
     done = torch.arange(8)
@@ -179,6 +180,14 @@ def test_the_missing_columns_lie_outside_the_verified_samples_coordinates(update
     inside = (N.T @ truth).norm(dim=0)
     assert float(inside[8:].min()) > 1 - 1e-6
     assert float(inside[:8].max()) < 1 - 1e-3
+    # and the activation rounds' exact points (samples 8-11), in R's coordinates
+    state.activation_found = truth[:, 8:12]
+    state.activation_coords = u["points"][8:12] @ u["frame"].to_L
+    N = candidates.verified_complement(state, 20)
+    assert N is not None and N.shape == (20, 8)
+    inside = (N.T @ truth).norm(dim=0)
+    assert float(inside[12:].min()) > 1 - 1e-6
+    assert float(inside[:12].max()) < 1 - 1e-3
 
 
 def test_a_weaker_samples_activation_is_a_kernel_by_its_gap(update) -> None:
