@@ -88,12 +88,11 @@ def spearpp_round(ctx: SearchContext, state: SearchState, pool: CandidatePool) -
     Qp, zeros, face_dim, lev = polish_within_budget(ctx, Qopt, n_rows)
     Qopt = Qopt[:, :Qp.shape[1]]
     pool.add(Qp, zeros, lev)
+    sparse_vertex = (face_dim == 1) & (zeros >= ctx.min_zeros)
     if N is not None:
-        verify_sparsest(ctx, state, pool, Qp[:, (face_dim == 1) & (zeros >= ctx.min_zeros)],
-                        zeros[(face_dim == 1) & (zeros >= ctx.min_zeros)], limit=2 * N.shape[1])
+        verify_sparsest(ctx, state, pool, Qp[:, sparse_vertex], limit=2 * N.shape[1])
     in_face = torch.nonzero(face_dim > 1).squeeze(1)
-    vertices = torch.nonzero((face_dim == 1) & (zeros >= ctx.min_zeros)
-                             & (lev >= cfg.max_leverage)).squeeze(1)
+    vertices = torch.nonzero(sparse_vertex & (lev >= cfg.max_leverage)).squeeze(1)
     clock.tick("polish", t0)
     t0 = time.perf_counter()
     split_faces(ctx, state, pool, Qopt.double()[:, in_face], n_rows)
@@ -179,15 +178,16 @@ def _verify(ctx: SearchContext, state: SearchState, Q: torch.Tensor,
 
 
 def verify_sparsest(ctx: SearchContext, state: SearchState, pool: CandidatePool,
-                    Q: torch.Tensor, zeros: torch.Tensor, *, limit: int) -> None:
-    """Try to verify the samples of the ``limit`` sparsest columns of ``Q`` (B, k; zero counts
-    ``zeros``) whose zero patterns were not tried yet, on their own zero rows
-    (``state.recover``), and keep the verified ones (:func:`keep_verified`)."""
+                    Q: torch.Tensor, *, limit: int) -> None:
+    """Try to verify the samples of the ``limit`` sparsest columns of ``Q`` (B, k) whose zero
+    patterns were not tried yet, on their own zero rows (``state.recover``), and keep the
+    verified ones (:func:`keep_verified`)."""
     if state.recover is None or not Q.shape[1] or ctx.clock.expired():
         return
     t0 = time.perf_counter()
-    keys = pattern_keys(zero_mask(ctx.L @ Q.to(ctx.L), ctx.zero_rtol))
-    todo = [j for j in torch.argsort(zeros, descending=True).tolist()
+    mask = zero_mask(ctx.L @ Q.to(ctx.L), ctx.zero_rtol)
+    keys = pattern_keys(mask)
+    todo = [j for j in torch.argsort(mask.sum(dim=0), descending=True).tolist()
             if keys[j] not in state.peel_tried][:limit]
     state.peel_tried.update(keys[j] for j in todo)
     if todo:
@@ -202,20 +202,18 @@ def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = 
     if not bool(got.verified.any()):
         return
     old = state.verified
-    cols = normalize_columns(got.columns)
-    new = torch.ones(cols.shape[1], dtype=torch.bool, device=cols.device)
-    if old is not None and old.columns.shape[1]:
-        cos = (normalize_columns(old.columns.to(cols)).T @ cols).abs()
-        new = cos.amax(dim=0) <= 1 - 1e-6
-    for j in range(cols.shape[1]):  # and not twice within got
-        if new[j] and j and bool(((cols[:, :j].T @ cols[:, j]).abs() > 1 - 1e-6).any()):
-            new[j] = False
+    F = 0 if old is None else old.columns.shape[1]
+    both = got.columns if old is None else torch.cat([old.columns.to(got.columns),
+                                                       got.columns], dim=1)
+    idx = dedupe(both)  # the first of each group within 10⁻⁶: the kept ones come first
+    new = torch.zeros(got.columns.shape[1], dtype=torch.bool, device=got.columns.device)
+    new[idx[idx >= F] - F] = True
     if not bool(new.any()):
         return
     got = Peeled(inputs=got.inputs[new], coords=got.coords[new], columns=got.columns[:, new],
                  verified=got.verified)
     if pool is not None:
-        pool.add(cols[:, new], torch.zeros(int(new.sum()), dtype=torch.long), proven=True)
+        pool.add(got.columns, torch.zeros(got.columns.shape[1], dtype=torch.long), proven=True)
     if old is not None:
         got = Peeled(inputs=torch.cat([old.inputs, got.inputs]),
                      coords=torch.cat([old.coords, got.coords]),

@@ -214,9 +214,7 @@ def peel_found(ctx: SearchContext, state: SearchState, pool: CandidatePool, min_
     if state.trusted is None or ctx.clock.expired(deadline):
         return False
     if state.peeler is None:
-        candidates.verify_sparsest(ctx, state, pool, state.trusted,
-                                   zero_mask(ctx.L @ state.trusted, ctx.zero_rtol).sum(dim=0),
-                                   limit=ctx.B)
+        candidates.verify_sparsest(ctx, state, pool, state.trusted, limit=ctx.B)
         return False
     keys = pattern_keys(zero_mask(ctx.L @ state.trusted, ctx.zero_rtol))
     todo = [j for j, key in enumerate(keys) if key not in state.peel_tried]
