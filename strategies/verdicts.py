@@ -14,6 +14,7 @@ answer, not as a crash report:
                     local steps, the time budget ended the search); its quality is only
                     known from PSNR against the ground truth
 ``partial``         k of B directions found: a reconstruction in which no sample is guaranteed
+                    but those verified one by one through the next layer
 ``protected``       the update does not reveal the batch to this attack; ``reason`` says why
                     (it mixes at least min(m, n) samples, or noise hides every sample)
 ``refused``         the client's ``LeakGuard`` proved its update readable and withheld it: the
@@ -68,7 +69,8 @@ MEANINGS: dict[str, str] = {
                "reconstruction exact without seeing the data",
     NOT_CERTIFIED: "the server reconstructed the batch, but without a certificate: how close it "
                    "is shows only in the PSNR against the true data",
-    PARTIAL: "the server found only some of the batch's directions: no sample is guaranteed",
+    PARTIAL: "the server found only some of the batch's directions: no sample is guaranteed, "
+             "except those verified one by one through the next layer (framed in green)",
     PROTECTED: "this update does not reveal its batch to the attack",
     REFUSED: "the client's LeakGuard proved its update readable and did not send it",
     NOT_COVERED: "the update is outside what this attack covers: no answer either way",

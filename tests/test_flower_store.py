@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_attack_flwr.output.png import image_grid
+from fl_attack_flwr.output.png import MARK_RGB, image_grid
 from fl_attack_flwr.output.private_files import atomic_write_bytes, jsonable, records_from_jsonl
+from fl_attack_flwr.output.report import render_report
 from fl_attack_flwr.output.store import AuditStore
 from fl_attack_flwr.results.records import ClientAudit
 
@@ -186,6 +187,37 @@ def test_jsonable_and_image_grid() -> None:
     assert grid.shape[1] >= 256
     with pytest.raises(ValueError):
         image_grid(np.zeros((2, 2, 8, 8)))
+
+
+def test_image_grid_frames_the_marked_tiles() -> None:
+    images = np.full((3, 1, 4, 4), 0.5)
+    grid = image_grid(images, pad=2, min_side=1, marked=np.array([False, True, False]))
+    green = (np.asarray(MARK_RGB) * 255 + 0.5).astype(np.uint8)
+    # tile k spans columns 2 + 6k .. 2 + 6k + 3; its frame is the padding around it
+    assert (grid[0, 6:14] == green).all() and (grid[7, 6:14] == green).all()
+    assert (grid[0, 0:6] == 255).all() and (grid[0, 14:] == 255).all()
+    assert (grid[2:6, 8:12] == 128).all()  # the picture itself is untouched
+    with pytest.raises(ValueError, match="one flag per image"):
+        image_grid(images, marked=np.array([True]))
+
+
+def test_verified_pictures_follow_the_matching_and_frame_only_unproven_batches() -> None:
+    """The verified rows (``Reconstruction.verified``) index the reconstruction; the pictures
+    are in the originals' order (``matching[i]`` = the row shown as original i), so the flags
+    follow the matching. A certified batch needs no frame; features are never framed."""
+    rng = np.random.default_rng(3)
+    verified = {"verified": [0, 3]}
+    rec = _record(1, 0, gt=True, rng=rng, matching=np.array([3, 2, -1, 0]), attack=verified)
+    assert rec.verified_pictures().tolist() == [True, False, False, True]
+    blind = _record(1, 0, gt=False, rng=rng, attack=verified)
+    assert blind.verified_pictures().tolist() == [True, False, False, True]
+    assert _record(1, 0, gt=True, rng=rng, attack=verified,
+                   reads="features").verified_pictures() is None
+    assert _record(1, 0, gt=True, rng=rng).verified_pictures() is None
+    partial = dataclasses.replace(rec, status="partial", exact=False, n_directions=3)
+    html = render_report(_summary_of([partial]), [partial], {}, {})
+    assert "Framed in green: the 2 of 4 samples verified on their own" in html
+    assert "Framed in green" not in render_report(_summary_of([rec]), [rec], {}, {})
 
 
 def _summary_of(records: list[ClientAudit]) -> dict:

@@ -7,14 +7,19 @@ import math
 
 import numpy as np
 
+MARK_RGB = (0.13, 0.63, 0.30)
+"""The frame colour of a marked tile (green): a sample verified on its own."""
+
 
 def image_grid(images: np.ndarray, *, ncols: int | None = None, pad: int = 2,
-               min_side: int = 256) -> np.ndarray:
+               min_side: int = 256, marked: np.ndarray | None = None) -> np.ndarray:
     """Tile ``(B, C, H, W)`` images in ``[0, 1]`` into one ``uint8`` RGB grid.
 
     Values are clipped to ``[0, 1]``; one-channel images are shown as grey. The grid is upscaled
     by an integer factor (nearest neighbour) so that it is at least ``min_side`` pixels wide:
-    32x32 reconstructions are unreadable at their native size.
+    32x32 reconstructions are unreadable at their native size. ``marked`` (``(B,)`` booleans)
+    frames those tiles in :data:`MARK_RGB` (the padding around them), so a report can single
+    out the samples it can vouch for one by one.
     """
     x = np.asarray(images, dtype=np.float64)
     if x.ndim != 4 or x.shape[0] == 0:
@@ -28,6 +33,15 @@ def image_grid(images: np.ndarray, *, ncols: int | None = None, pad: int = 2,
     cols = ncols or int(math.ceil(math.sqrt(b)))
     rows = int(math.ceil(b / cols))
     grid = np.ones((rows * (h + pad) + pad, cols * (w + pad) + pad, 3))
+    if marked is not None:
+        marked = np.asarray(marked, dtype=bool)
+        if marked.shape != (b,):
+            raise ValueError(f"marked must have one flag per image ({b}), got shape "
+                             f"{marked.shape}")
+        for i in np.flatnonzero(marked):
+            r, k = divmod(int(i), cols)
+            grid[r * (h + pad): (r + 1) * (h + pad) + pad,
+                 k * (w + pad): (k + 1) * (w + pad) + pad] = MARK_RGB
     for i in range(b):
         r, k = divmod(i, cols)
         y0, x0 = pad + r * (h + pad), pad + k * (w + pad)

@@ -345,8 +345,16 @@ def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") 
             continue
         what = "pictures estimated from the features" if r.reads == "features" else \
             "reconstruction"
-        out.append("<div class='pair'><div>" + inline_png(png_bytes(image_grid(r.recon_images)),
-                                                     "reconstruction") + f"<br>{what}</div>")
+        marked = r.verified_pictures()
+        if marked is not None and not r.exact:
+            out.append(f"<p>Framed in green: the {int(marked.sum())} of {marked.size} samples "
+                       "verified on their own through the next layer, exact to the update's "
+                       "precision whatever the rest of the batch.</p>")
+        else:
+            marked = None
+        grid = image_grid(r.recon_images, marked=marked)
+        out.append("<div class='pair'><div>" + inline_png(png_bytes(grid), "reconstruction")
+                   + f"<br>{what}</div>")
         if r.original_images is not None:
             out.append("<div>" + inline_png(png_bytes(image_grid(r.original_images)), "original")
                        + "<br>original</div>")

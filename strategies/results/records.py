@@ -111,6 +111,21 @@ class ClientAudit:
         """Whether the record holds a reconstruction (certified, not certified or partial)."""
         return self.status in verdicts.RECONSTRUCTED
 
+    def verified_pictures(self) -> np.ndarray | None:
+        """``(len(recon_images),)`` flags: the pictures of samples verified on their own
+        through the next layer (``Reconstruction.verified``), in the pictures' order (the
+        originals' when the ground truth matched them); ``None`` when there are no such
+        pictures, or when they are estimated from features (the features are verified, the
+        pictures are not)."""
+        rows = (self.attack or {}).get("verified") or []
+        if self.recon_images is None or self.reads == "features" or not rows:
+            return None
+        if self.matching is None:
+            flags = np.zeros(self.recon_images.shape[0], dtype=bool)
+            flags[[int(v) for v in rows if 0 <= int(v) < flags.size]] = True
+            return flags
+        return np.isin(np.asarray(self.matching), [int(v) for v in rows])
+
     def metrics(self) -> dict[str, Any]:
         """The line of ``metrics.jsonl`` (no arrays, no sample indices; the store writes it
         as strict JSON)."""
