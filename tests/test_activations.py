@@ -210,3 +210,31 @@ def test_a_weaker_samples_activation_is_a_kernel_by_its_gap(update) -> None:
     assert kernel is not None and kernel.shape[1] == 1 and torch.equal(kept, zero)
     h = kernel[:, 0]
     assert float((h @ H[0]).abs() / (h.norm() * H[0].norm())) > 1 - 1e-8
+
+
+def test_a_sample_held_only_to_the_read_tolerance_is_read_not_verified(update) -> None:
+    """``peel.recover`` reads a sample whose active units' system holds only to
+    ``peel.READ_RTOL`` and flags it unverified (``Peeled.proven``); ``recover_sample``, the
+    certificate's test, refuses it. Built directly: the next layer's span moved by 10⁻⁵ per
+    row, which leaves this batch's residuals at 4-8·10⁻⁴."""
+    u = update
+    dec, system = u["dec"], u["system"]
+    rows2 = u["span"].T.contiguous()
+    E = torch.randn(rows2.shape, generator=torch.Generator().manual_seed(0), dtype=rows2.dtype)
+    moved = rows2 + 1e-5 * E / E.norm(dim=1, keepdim=True)
+    zeros = u["inactive"].T
+    kw = dict(z_band=system.z_band, precision=torch.float32)
+    got = peel.recover(u["truth"], dec.L, dec.R, moved, system.WR, system.bias,
+                       zero_rtol=system.zero_rtol, zeros=zeros, **kw)
+    read = torch.nonzero(got.verified).squeeze(1)
+    assert read.numel() >= 10  # the situation: samples read in the band
+    assert not bool(got.proven.any())
+    for k in read.tolist():
+        assert peel.recover_sample(zeros[:, k], moved, system.WR, system.bias, **kw) is None
+    X = u["X"][read]
+    assert float(((got.inputs - X).norm(dim=1) / X.norm(dim=1)).max()) < 1e-2
+    exact = peel.recover(u["truth"], dec.L, dec.R, rows2, system.WR, system.bias,
+                         zero_rtol=system.zero_rtol, zeros=zeros, **kw)
+    strict = [peel.recover_sample(zeros[:, k], rows2, system.WR, system.bias, **kw) is not None
+              for k in torch.nonzero(exact.verified).squeeze(1).tolist()]
+    assert any(strict) and exact.proven.tolist() == strict  # verified = the certificate's test

@@ -196,9 +196,9 @@ def verify_sparsest(ctx: SearchContext, state: SearchState, pool: CandidatePool,
 
 
 def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = None) -> None:
-    """Add the verified samples of ``got`` that are new (their columns more than 10⁻⁶ in
-    angle from those kept) to ``state.verified``, and their columns to ``pool`` as proven
-    (selected before any other candidate)."""
+    """Add the samples of ``got`` (verified or only read, ``Peeled.proven``) that are new
+    (their columns more than 10⁻⁶ in angle from those kept) to ``state.verified``, and their
+    columns to ``pool`` as proven (selected before any other candidate)."""
     if not bool(got.verified.any()):
         return
     old = state.verified
@@ -210,15 +210,15 @@ def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = 
     new[idx[idx >= F] - F] = True
     if not bool(new.any()):
         return
-    got = Peeled(inputs=got.inputs[new], coords=got.coords[new], columns=got.columns[:, new],
-                 verified=got.verified)
+    got = got.take(new)
     if pool is not None:
         pool.add(got.columns, torch.zeros(got.columns.shape[1], dtype=torch.long), proven=True)
     if old is not None:
         got = Peeled(inputs=torch.cat([old.inputs, got.inputs]),
                      coords=torch.cat([old.coords, got.coords]),
                      columns=torch.cat([old.columns, got.columns], dim=1),
-                     verified=torch.cat([old.verified, got.verified]))
+                     verified=torch.cat([old.verified, got.verified]),
+                     proven=torch.cat([old.verified_mask(), got.verified_mask()]))
     state.verified = got
 
 

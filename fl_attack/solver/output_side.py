@@ -108,7 +108,7 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     else:
         Q = found.Q
     got = _settle(layer, found, Q, clock)
-    X, rows = _verified_rows(got.X, Q, state)
+    X, rows = _verified_rows(got.X, Q, state, read=not got.proven)
     lam = state.match
     rec = build_reconstruction(
         X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
@@ -126,12 +126,15 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     return rec
 
 
-def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState
+def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState, *, read: bool
                    ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """X with the rows of the basis' columns that match a verified sample
     (``state.verified``, within 10⁻⁶ in angle) replaced by that sample's input, and those
-    rows."""
+    rows; with ``read`` (a basis that is not proven) also the rows of samples only read
+    (``peel.READ_RTOL``), which are not among the rows returned."""
     got = state.verified
+    if got is not None and not read:
+        got = got.take(got.verified_mask())
     if got is None or not got.inputs.shape[0]:
         return X, ()
     Qn = normalize_columns(Q.to(got.columns))
@@ -143,7 +146,8 @@ def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState
     X = X.clone()
     rows = [int(row[k]) for k in keep]
     X[rows] = got.inputs[keep].to(X)
-    return X, tuple(sorted(set(rows)))
+    proven = got.verified_mask()
+    return X, tuple(sorted({r for r, k in zip(rows, keep, strict=True) if bool(proven[k])}))
 
 
 @dataclass

@@ -60,6 +60,13 @@ the signal); otherwise the full, noise-aware ``decompose`` decides."""
 RESIDUAL_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 """Largest relative residual of the active units' system W x + b = t h that verifies a sample."""
 
+READ_RTOL = {torch.float32: 1e-3, torch.float64: 1e-8}
+"""Largest residual of that system at which :func:`recover` still *reads* a sample (every other
+test passed) without verifying it: a trained model's middle-strength samples hold the next
+layer's system only to 2-6·10⁻⁴, their contributions that close to the rounding. A read
+sample's coordinates join the search's complement and, in a basis that is not proven, its
+input replaces its row; it is never reported as verified."""
+
 UNIQUE_RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 """Least σ_min/σ_max of the active units' system [W Rᵀ, -H] (columns scaled to unit norm) for
 its solution to be the one
@@ -84,7 +91,24 @@ class Peeled:
     columns: torch.Tensor
     """(B, F) their columns of ∂L/∂Z in L's coordinates, at the true scale (c_k · a_k = 1)."""
     verified: torch.Tensor
-    """(K,) bool over the columns tried: which gave a verified sample."""
+    """(K,) bool over the columns tried: which gave a sample (verified or only read)."""
+    proven: torch.Tensor | None = None
+    """(F,) bool: which of the samples hold the system to :data:`RESIDUAL_RTOL` (verified);
+    the others only to :data:`READ_RTOL` (read). None: all verified."""
+
+    def verified_mask(self) -> torch.Tensor:
+        """(F,) bool: the verified samples."""
+        if self.proven is None:
+            return torch.ones(self.coords.shape[0], dtype=torch.bool, device=self.coords.device)
+        return self.proven
+
+    def take(self, keep: torch.Tensor) -> Peeled:
+        """The samples of the (F,) mask ``keep`` (``verified`` cleared for the others)."""
+        tried = self.verified.clone()
+        tried[torch.nonzero(tried).squeeze(1)[~keep.to(tried.device)]] = False
+        return Peeled(inputs=self.inputs[keep], coords=self.coords[keep],
+                      columns=self.columns[:, keep], verified=tried,
+                      proven=self.verified_mask()[keep])
 
 
 def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol: float,
@@ -154,8 +178,17 @@ def recover_sample(zero: torch.Tensor, rows2: torch.Tensor, WR: torch.Tensor,
     :data:`RESIDUAL_RTOL`, every unit the kernel leaves at zero is inactive, every inactive
     unit is in ``zero``, and at most :data:`MAX_CHANCE_ZEROS` x m rows of ``zero`` stay active.
     """
+    got = _solve_sample(zero, rows2, WR, bias, z_band=z_band, precision=precision)
+    return None if got is None or got[1] > RESIDUAL_RTOL[precision] else got[0]
+
+
+def _solve_sample(zero: torch.Tensor, rows2: torch.Tensor, WR: torch.Tensor,
+                  bias: torch.Tensor, *, z_band: float, precision: torch.dtype
+                  ) -> tuple[torch.Tensor, float] | None:
+    """:func:`recover_sample`'s coordinates and the system's relative residual, for a
+    residual up to :data:`READ_RTOL`; None when a test fails."""
     m, B = WR.shape
-    tol, res_tol = KERNEL_RTOL[precision], RESIDUAL_RTOL[precision]
+    tol, res_tol = KERNEL_RTOL[precision], READ_RTOL[precision]
     H, kept = _kernel(rows2, zero, tol)
     if H is None:
         return None
@@ -178,7 +211,7 @@ def recover_sample(zero: torch.Tensor, rows2: torch.Tensor, WR: torch.Tensor,
     if (resid > res_tol or bool((z[~active] > band).any())
             or bool((inactive & ~zero).any()) or chance > max(1.0, MAX_CHANCE_ZEROS * m)):
         return None
-    return c
+    return c, resid
 
 
 def recover(
@@ -195,8 +228,9 @@ def recover(
     deadline: float | None = None,
     zeros: torch.Tensor | None = None,
 ) -> Peeled:
-    """The samples behind ``columns`` (B, K), each verified on its own
-    (:func:`recover_sample` on the column's zero rows).
+    """The samples behind ``columns`` (B, K), each read on its own through the next layer
+    (:func:`recover_sample`'s tests on the column's zero rows, the system's residual up to
+    :data:`READ_RTOL`) and verified where it holds to :data:`RESIDUAL_RTOL`.
 
     Past ``deadline`` (a ``time.perf_counter()`` value, checked between columns) the
     remaining columns are not tried (reported as not verified).
@@ -222,19 +256,22 @@ def recover(
     Returns
     -------
     Peeled
-        The verified samples, their coordinates and columns, and which columns verified.
+        The samples read (to :data:`READ_RTOL`), their coordinates and columns, which
+        columns gave one, and which of them are verified (to :data:`RESIDUAL_RTOL`).
     """
     B = L.shape[1]
     V = L @ columns
     zero_rows = zero_mask(V, zero_rtol) if zeros is None else zeros
-    coords, kept = [], []
+    coords, kept, proven = [], [], []
     for k in range(V.shape[1]):
         if k > 0 and passed(deadline):
             break
-        c = recover_sample(zero_rows[:, k], rows2, WR, bias, z_band=z_band, precision=precision)
-        if c is not None:
-            coords.append(c)
+        got = _solve_sample(zero_rows[:, k], rows2, WR, bias, z_band=z_band,
+                            precision=precision)
+        if got is not None:
+            coords.append(got[0])
             kept.append(k)
+            proven.append(got[1] <= RESIDUAL_RTOL[precision])
     verified = torch.zeros(V.shape[1], dtype=torch.bool, device=L.device)
     if not kept:
         empty = torch.empty(0, B, dtype=L.dtype, device=L.device)
@@ -243,7 +280,8 @@ def recover(
     C = torch.stack(coords)
     cols = columns[:, kept]
     cols = cols / (C * cols.T).sum(dim=1)  # the scale with c_k · a_k = 1
-    return Peeled(inputs=C @ R, coords=C, columns=cols, verified=verified)
+    return Peeled(inputs=C @ R, coords=C, columns=cols, verified=verified,
+                  proven=torch.tensor(proven, dtype=torch.bool, device=L.device))
 
 
 def reduced(dec: Decomposition, peeled: Peeled) -> Decomposition | None:
