@@ -181,7 +181,7 @@ def verify_sparsest(ctx: SearchContext, state: SearchState, pool: CandidatePool,
                     Q: torch.Tensor, *, limit: int) -> None:
     """Try to verify the samples of the ``limit`` sparsest columns of ``Q`` (B, k) whose zero
     patterns were not tried yet, on their own zero rows (``state.recover``), and keep the
-    verified ones (:func:`keep_verified`)."""
+    samples verified or read (:func:`keep_verified`)."""
     if state.recover is None or not Q.shape[1] or ctx.clock.expired():
         return
     t0 = time.perf_counter()
@@ -218,14 +218,14 @@ def keep_verified(state: SearchState, got: Peeled, pool: CandidatePool | None = 
                      coords=torch.cat([old.coords, got.coords]),
                      columns=torch.cat([old.columns, got.columns], dim=1),
                      verified=torch.cat([old.verified, got.verified]),
-                     proven=torch.cat([old.verified_mask(), got.verified_mask()]))
+                     proven=torch.cat([old.proven_mask(), got.proven_mask()]))
     state.verified = got
 
 
 def verified_complement(state: SearchState, B: int) -> torch.Tensor | None:
     """(B, B - F) orthonormal basis of the directions orthogonal to the coordinates of the F
-    samples known exactly, or None when there are none: the verified samples
-    (``state.verified``) and the exact points of the activation rounds
+    samples known, or None when there are none: the samples verified or read through the
+    next layer (``state.verified``) and the exact points of the activation rounds
     (``state.activation_coords``, those whose columns are not verified ones).
 
     G = (L Q)(Q⁻¹ R): a sample's coordinates c (x = cᵀ R) are its row of Q⁻¹, which is

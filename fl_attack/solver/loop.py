@@ -225,7 +225,7 @@ def peel_found(ctx: SearchContext, state: SearchState, pool: CandidatePool, min_
     peeled = state.peeler(state.trusted[:, todo],
                           deadline if deadline is not None else ctx.clock.deadline)
     ctx.clock.tick("peel", t0)
-    proven = peeled.verified_mask()
+    proven = peeled.proven_mask()
     if not bool(proven.all()):  # samples only read are kept, never peeled off the gradient
         candidates.keep_verified(state, peeled.take(~proven), pool)
     if not bool(proven.any()):
@@ -246,7 +246,7 @@ def _log_round(ctx: SearchContext, state: SearchState, pool: CandidatePool,
     lam = f"{state.match.value:.4f}" if state.match else "-"
     trusted = state.trusted.shape[1] if state.trusted is not None else 0
     got = state.verified
-    verified = 0 if got is None else int(got.verified_mask().sum())
+    verified = 0 if got is None else int(got.proven_mask().sum())
     read = 0 if got is None else got.coords.shape[0] - verified
     progress(ctx, "%.1fs: round %d: %d candidates, %d/%d directions (%d trusted, %d verified, "
              "%d read), λ=%s", ctx.clock.elapsed(), state.rounds, len(pool), now.count, ctx.B,

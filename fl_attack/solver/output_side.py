@@ -134,7 +134,7 @@ def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState, *, read
     (``peel.READ_RTOL``), which are not among the rows returned."""
     got = state.verified
     if got is not None and not read:
-        got = got.take(got.verified_mask())
+        got = got.take(got.proven_mask())
     if got is None or not got.inputs.shape[0]:
         return X, ()
     Qn = normalize_columns(Q.to(got.columns))
@@ -146,7 +146,7 @@ def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState, *, read
     X = X.clone()
     rows = [int(row[k]) for k in keep]
     X[rows] = got.inputs[keep].to(X)
-    proven = got.verified_mask()
+    proven = got.proven_mask()
     return X, tuple(sorted({r for r, k in zip(rows, keep, strict=True) if bool(proven[k])}))
 
 

@@ -206,10 +206,11 @@ class SearchState:
     columns, in the same order: rows of Q⁻¹, whose complement holds the missing columns
     (``candidates.verified_complement``)."""
     verified: Peeled | None = None
-    """Samples verified on their own through the next layer but not peeled off: those of the
-    activation rounds' exact columns (``peel.recover`` on each point's inactive units), and
-    those of a peel that left no clean rank. Their rows of the result are these inputs,
-    whatever the rest of the basis."""
+    """Samples recovered on their own through the next layer but not peeled off, verified or
+    only read (``Peeled.proven``, ``peel.READ_RTOL``): those of the activation rounds' exact
+    columns (``peel.recover`` on each point's inactive units), of the sparsest found columns,
+    and of a peel that left no clean rank. The verified ones' rows of the result are these
+    inputs whatever the rest of the basis; the read ones' only in a basis not proven."""
     recover: Callable[..., Peeled] | None = None
     """Recovers and verifies the samples of columns through the next layer
     (``peel.recover``); unlike ``peeler`` it stays set when peeling is given up."""

@@ -96,8 +96,8 @@ class Peeled:
     """(F,) bool: which of the samples hold the system to :data:`RESIDUAL_RTOL` (verified);
     the others only to :data:`READ_RTOL` (read). None: all verified."""
 
-    def verified_mask(self) -> torch.Tensor:
-        """(F,) bool: the verified samples."""
+    def proven_mask(self) -> torch.Tensor:
+        """(F,) bool: the verified samples (:attr:`proven`; all of them when it is None)."""
         if self.proven is None:
             return torch.ones(self.coords.shape[0], dtype=torch.bool, device=self.coords.device)
         return self.proven
@@ -108,7 +108,7 @@ class Peeled:
         tried[torch.nonzero(tried).squeeze(1)[~keep.to(tried.device)]] = False
         return Peeled(inputs=self.inputs[keep], coords=self.coords[keep],
                       columns=self.columns[:, keep], verified=tried,
-                      proven=self.verified_mask()[keep])
+                      proven=self.proven_mask()[keep])
 
 
 def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol: float,

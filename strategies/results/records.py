@@ -117,14 +117,12 @@ class ClientAudit:
         originals' when the ground truth matched them); ``None`` when there are no such
         pictures, or when they are estimated from features (the features are verified, the
         pictures are not)."""
-        rows = (self.attack or {}).get("verified") or []
+        rows = [int(v) for v in (self.attack or {}).get("verified") or []]
         if self.recon_images is None or self.reads == "features" or not rows:
             return None
-        if self.matching is None:
-            flags = np.zeros(self.recon_images.shape[0], dtype=bool)
-            flags[[int(v) for v in rows if 0 <= int(v) < flags.size]] = True
-            return flags
-        return np.isin(np.asarray(self.matching), [int(v) for v in rows])
+        shown = (np.arange(self.recon_images.shape[0]) if self.matching is None
+                 else np.asarray(self.matching))
+        return np.isin(shown, rows)
 
     def metrics(self) -> dict[str, Any]:
         """The line of ``metrics.jsonl`` (no arrays, no sample indices; the store writes it
