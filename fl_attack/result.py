@@ -57,9 +57,9 @@ class Reconstruction:
     an active unit whose ∂L/∂Z passed the zero test (its ∂L/∂A is that small; the ReLU law
     allows it). 0 when λ < 1."""
     peeled: int = 0
-    """Samples recovered one by one through ``next_weight_grad`` (each verified on its own)
-    and taken off the gradient before the rest of the batch was searched
-    (``fl_attack.steps.peel``)."""
+    """Samples recovered one by one through ``next_weight_grad`` and taken off the gradient
+    before the rest of the batch was searched (``fl_attack.steps.peel``): each verified on its
+    own (then its row is in :attr:`verified`) or only read to ``peel.READ_RTOL``."""
     batch_size_readings: tuple[int, ...] = ()
     """Under noise, the batch sizes the spectrum allowed and that were attacked, when more than
     one (``fl_attack.steps.batch_size``: the one that explains the update best is returned)."""

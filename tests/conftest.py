@@ -251,7 +251,7 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
         assert not rec.exact or worst > exact_db, (worst, rec.as_dict())
     if rec.verified:  # each verified row is one of the batch's samples, to 10⁻³
         rows = rec.inputs[list(rec.verified)].double()
-        truth = x.reshape(B, -1).to(rows)
+        truth = data.normalize(x, name).reshape(B, -1).to(rows)  # the inputs' space
         err = torch.cdist(rows, truth).min(dim=1).values / truth.norm(dim=1).min()
         assert float(err.max()) < 1e-3, (err.max(), rec.as_dict())
 

@@ -201,22 +201,33 @@ def test_a_sample_only_read_replaces_its_row_in_an_unproven_basis_and_is_never_v
 ) -> None:
     """Samples read through the next layer only to ``peel.READ_RTOL`` (``Peeled.proven``
     False) replace their rows when the basis is not proven, never when it is, and are never
-    among the verified rows; ``keep_verified`` keeps both kinds with their flags."""
-    from fl_attack.solver.output_side import _verified_rows
+    among the verified rows, whether kept (``keep_verified`` keeps both kinds with their
+    flags) or peeled off (``_Found.samples``, ∂L/∂Z columns); a peeled verified sample's row is
+    a verified row."""
+    from types import SimpleNamespace
 
-    Q = torch.eye(4, dtype=torch.float64)
+    from fl_attack.solver.output_side import _known, _verified_rows
+
+    Q = torch.eye(5, dtype=torch.float64)
     inputs = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
-    got = peel.Peeled(inputs=inputs, coords=torch.eye(4, dtype=torch.float64)[[1, 3]],
+    got = peel.Peeled(inputs=inputs, coords=torch.eye(5, dtype=torch.float64)[[1, 3]],
                       columns=Q[:, [1, 3]], verified=torch.tensor([False, True, True]),
                       proven=torch.tensor([True, False]))
     state = SearchState()
     candidates.keep_verified(state, got)
     assert state.verified is not None and state.verified.proven.tolist() == [True, False]
-    X = torch.zeros(4, 3, dtype=torch.float64)
-    unproven, rows = _verified_rows(X, Q, state, read=True)
-    assert rows == (1,) and unproven[1].tolist() == [1.0] * 3 and unproven[3].tolist() == [2.0] * 3
-    proven, rows = _verified_rows(X, Q, state, read=False)
-    assert rows == (1,) and proven[3].tolist() == [0.0] * 3
+    L = torch.linalg.qr(torch.randn(8, 5, dtype=torch.float64))[0]  # the top level's L
+    found = SimpleNamespace(samples=[(L[:, [0, 4]], 3.0 + torch.zeros(2, 3, dtype=torch.float64),
+                                      torch.tensor([True, False]))])
+    known = _known(SimpleNamespace(L=L), state, found)
+    X = torch.zeros(5, 3, dtype=torch.float64)
+    unproven, rows = _verified_rows(X, Q, known, read=True)
+    assert rows == (0, 1) and unproven[1].tolist() == [1.0] * 3
+    assert unproven[3].tolist() == [2.0] * 3 and unproven[4].tolist() == [3.0] * 3
+    proven, rows = _verified_rows(X, Q, known, read=False)
+    assert rows == (0, 1) and proven[0].tolist() == [3.0] * 3
+    assert proven[3].tolist() == [0.0] * 3 and proven[4].tolist() == [0.0] * 3
+    assert _verified_rows(X, Q, None, read=True) == (X, ())
     only_read = got.take(torch.tensor([False, True]))
     assert only_read.verified.tolist() == [False, False, True]
     assert only_read.proven.tolist() == [False] and only_read.inputs[0, 0] == 2.0

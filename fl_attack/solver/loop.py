@@ -34,8 +34,8 @@ def search(ctx: SearchContext, state: SearchState,
     selection is done, the budget is spent, SPEAR's sample cap is reached, or (SPEAR++) a full
     basis (under noise, any selection) has stopped improving for ``Tuning.stale_rounds`` rounds
     (:class:`Staleness`; λ < 1 is then final). After SPEAR++ round 1 the neighbour search runs
-    once. With a peeler the loop returns early when verified samples wait in ``state.peeled``.
-    ``state.stopped`` says why the loop ended (``state.STOP_REASONS``).
+    once. With a peeler the loop returns early when samples read through the next layer wait
+    in ``state.peeled``. ``state.stopped`` says why the loop ended (``state.STOP_REASONS``).
 
     Parameters
     ----------
@@ -207,9 +207,13 @@ def completions(ctx: SearchContext, state: SearchState, pool: CandidatePool,
 def peel_found(ctx: SearchContext, state: SearchState, pool: CandidatePool, min_new: int = 1,
                deadline: float | None = None) -> bool:
     """Recover the samples of the trusted columns not tried yet, when at least ``min_new``,
-    before ``deadline`` (by default the search's); True when some were verified (then in
-    ``state.peeled``, for the caller to peel off). Once peeling is given up (no clean rank
-    left), the verified samples are kept instead (``candidates.verify_sparsest``), and
+    before ``deadline`` (by default the search's); True when some were read (then in
+    ``state.peeled``, for the caller to peel off).
+
+    Samples only read (``peel.READ_RTOL``, not verified) are peeled too: the smaller batch
+    left is searched as the verified ones' is, and the final basis is judged on the whole
+    gradient (their columns are never proven by being peeled). Once peeling is given up (no
+    clean rank left), the samples are kept instead (``candidates.verify_sparsest``), and
     later rounds search the complement of their coordinates."""
     if state.trusted is None or ctx.clock.expired(deadline):
         return False
@@ -225,12 +229,9 @@ def peel_found(ctx: SearchContext, state: SearchState, pool: CandidatePool, min_
     peeled = state.peeler(state.trusted[:, todo],
                           deadline if deadline is not None else ctx.clock.deadline)
     ctx.clock.tick("peel", t0)
-    proven = peeled.proven_mask()
-    if not bool(proven.all()):  # samples only read are kept, never peeled off the gradient
-        candidates.keep_verified(state, peeled.take(~proven), pool)
-    if not bool(proven.any()):
+    if not peeled.coords.shape[0]:
         return False
-    state.peeled = peeled.take(proven)
+    state.peeled = peeled
     return True
 
 

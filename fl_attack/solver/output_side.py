@@ -1,10 +1,10 @@
 """The output side of the attack (∂L/∂Z sparse, any layer followed by a ReLU), level by level.
 
 One level decomposes the gradient (SPEAR §3.1, SPEAR++ §4.1), builds the search's context and
-runs the search loop (:mod:`fl_attack.solver.loop`). With the next layer's gradient, verified
-samples are peeled off (:mod:`fl_attack.steps.peel`, beyond the papers) and the smaller batch
-that is left is solved the same way, starting from the upper level's candidates: the levels
-below.
+runs the search loop (:mod:`fl_attack.solver.loop`). With the next layer's gradient, the
+samples read through it are peeled off (:mod:`fl_attack.steps.peel`, beyond the papers) and the
+smaller batch that is left is solved the same way, starting from the upper level's candidates:
+the levels below. The final basis (every level's columns) is judged on the whole gradient.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fl_attack.solver.untangle import untangle
 from fl_attack.steps import batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
 from fl_attack.steps.match import sparsity_match
+from fl_attack.steps.peel import Peeled
 from fl_attack.steps.scale import make_system, reconstruct
 from fl_attack.steps.tolerances import exact_possible, output_tolerances, rank_floor
 from fl_attack.validation import LayerUpdate
@@ -108,7 +109,7 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     else:
         Q = found.Q
     got = _settle(layer, found, Q, clock)
-    X, rows = _verified_rows(got.X, Q, state, read=not got.proven)
+    X, rows = _verified_rows(got.X, Q, _known(ctx, state, found), read=not got.proven)
     lam = state.match
     rec = build_reconstruction(
         X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
@@ -126,27 +127,56 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     return rec
 
 
-def _verified_rows(X: torch.Tensor, Q: torch.Tensor, state: SearchState, *, read: bool
-                   ) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """X with the rows of the basis' columns that match a verified sample
-    (``state.verified``, within 10⁻⁶ in angle) replaced by that sample's input, and those
-    rows; with ``read`` (a basis that is not proven) also the rows of samples only read
-    (``peel.READ_RTOL``), which are not among the rows returned."""
+@dataclass
+class _Known:
+    """Samples read on their own through the next layer, in the top level's coordinates."""
+
+    columns: torch.Tensor
+    """(B, F) their ∂L/∂Z columns."""
+    inputs: torch.Tensor
+    """(F, n) their inputs."""
+    proven: torch.Tensor
+    """(F,) bool: verified (``peel.RESIDUAL_RTOL``), else only read (``peel.READ_RTOL``)."""
+
+
+def _known(ctx: SearchContext, state: SearchState, found: _Found) -> _Known | None:
+    """The samples the top level kept (``state.verified``) and those every level peeled."""
+    parts = []
     got = state.verified
-    if got is not None and not read:
-        got = got.take(got.proven_mask())
-    if got is None or not got.inputs.shape[0]:
+    if got is not None and got.inputs.shape[0]:
+        parts.append((got.columns, got.inputs, got.proven_mask()))
+    for cols, inputs, proven in found.samples:  # ∂L/∂Z directions: L is orthonormal
+        parts.append((ctx.L.T @ cols.to(ctx.L), inputs, proven))
+    if not parts:
+        return None
+    columns, inputs, proven = zip(*parts, strict=True)
+    dev = columns[0].device
+    return _Known(torch.cat([c.to(dev) for c in columns], dim=1),
+                  torch.cat([x.to(dev) for x in inputs]),
+                  torch.cat([p.to(dev) for p in proven]))
+
+
+def _verified_rows(X: torch.Tensor, Q: torch.Tensor, known: _Known | None, *, read: bool
+                   ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """X with the rows of the basis' columns that match a verified sample (``known``, within
+    10⁻⁶ in angle) replaced by that sample's input, and those rows; with ``read`` (a basis
+    that is not proven) also the rows of samples only read (``peel.READ_RTOL``), which are
+    not among the rows returned."""
+    if known is None:
         return X, ()
-    Qn = normalize_columns(Q.to(got.columns))
-    cos = (Qn.T @ normalize_columns(got.columns)).abs()  # (B, F)
+    use = torch.ones_like(known.proven) if read else known.proven
+    if not bool(use.any()):
+        return X, ()
+    columns, inputs, proven = known.columns[:, use], known.inputs[use], known.proven[use]
+    Qn = normalize_columns(Q.to(columns))
+    cos = (Qn.T @ normalize_columns(columns)).abs()  # (B, F)
     best, row = cos.max(dim=0)
     keep = torch.nonzero(best > 1 - 1e-6).squeeze(1).tolist()
     if not keep:
         return X, ()
     X = X.clone()
     rows = [int(row[k]) for k in keep]
-    X[rows] = got.inputs[keep].to(X)
-    proven = got.proven_mask()
+    X[rows] = inputs[keep].to(X)
     return X, tuple(sorted({r for r, k in zip(rows, keep, strict=True) if bool(proven[k])}))
 
 
@@ -221,13 +251,17 @@ class _Found:
     or ``"budget"`` when a level ran out of time)."""
     rows2: torch.Tensor | None = None
     """(B, m) the next layer's activation span (``peel.next_layer_rows``), when given."""
+    samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=list)
+    """The peeled samples of every level: their ∂L/∂Z columns (m, F), inputs (F, n) and
+    which are verified (F,) bool."""
 
 
 def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
           generator: torch.Generator, clock: Clock, *, dec: Decomposition,
           rows2: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> _Found:
-    """Search the columns of (G, g); with the next layer, peel the verified samples off and
-    solve the smaller batch that is left the same way (recursively).
+    """Search the columns of (G, g); with the next layer, peel the samples read through it off
+    and solve the smaller batch that is left the same way (recursively).
 
     Parameters
     ----------
@@ -272,20 +306,25 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         if peeled is None:
             return here
         t0 = time.perf_counter()
-        F = int(peeled.verified.sum())
-        Gr, gr = peel.peel_off(G, g, dec.L, peeled)
-        sub_dec = peel.reduced(dec, peeled) if F < B else None
+        taken, sub_dec = _peelable(dec, peeled)
         clock.tick("peel", t0)
-        if F < B and sub_dec is None:
-            warnings.warn(f"peeling {F} samples did not leave a clean rank {B - F}: the search "
-                          "goes on without peeling (their rows keep the verified inputs)",
-                          stacklevel=4)
+        if taken is None:
+            warnings.warn(f"peeling {peeled.coords.shape[0]} samples did not leave a clean "
+                          f"rank {B - peeled.coords.shape[0]}: the search goes on without "
+                          "peeling (their rows keep the verified inputs)", stacklevel=4)
             state.peeler = None
             candidates.keep_verified(state, peeled, pool)
             continue
-        loop.progress(ctx, "%.1fs: peeled %d verified samples through the next layer, %d left",
-                      clock.elapsed(), F, B - F)
-        here.columns, here.peeled, here.n_found = dec.L @ peeled.columns, F, F
+        if taken.coords.shape[0] < peeled.coords.shape[0]:  # the read ones are kept instead
+            candidates.keep_verified(state, peeled.take(~peeled.proven_mask()), pool)
+        F = taken.coords.shape[0]
+        Gr, gr = peel.peel_off(G, g, dec.L, taken)
+        proven = taken.proven_mask()
+        loop.progress(ctx, "%.1fs: peeled %d samples through the next layer (%d verified, %d "
+                      "read), %d left", clock.elapsed(), F, int(proven.sum()),
+                      F - int(proven.sum()), B - F)
+        here.columns, here.peeled, here.n_found = dec.L @ taken.columns, F, F
+        here.samples.append((here.columns, taken.inputs, proven))
         if sub_dec is not None:
             sub_cfg = (cfg if cfg.batch_size is None
                        else dataclasses.replace(cfg, batch_size=B - F))
@@ -293,6 +332,24 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
                         seeds=dec.L.to(pool.columns) @ pool.columns)
             _merge(here, sub)
         return here
+
+
+def _peelable(dec: Decomposition, peeled: Peeled
+              ) -> tuple[Peeled | None, Decomposition | None]:
+    """The samples to peel off and the decomposition of the batch left (None when none is
+    left): all of ``peeled`` when the rest keeps a clean rank, else only its verified ones
+    (a read sample's residual error can blur the cliff), else (None, None)."""
+    B = dec.batch_size
+    proven = peeled.proven_mask()
+    tries = [peeled] if bool(proven.all()) or not bool(proven.any()) else [
+        peeled, peeled.take(proven)]
+    for got in tries:
+        if got.coords.shape[0] == B:
+            return got, None
+        sub = peel.reduced(dec, got)
+        if sub is not None:
+            return got, sub
+    return None, None
 
 
 def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
@@ -354,6 +411,7 @@ def _merge(here: _Found, sub: _Found) -> None:
     sub_cols = sub.columns if sub.columns is not None else sub.ctx.L @ sub.Q
     here.columns = torch.cat([here.columns, sub_cols], dim=1)
     here.peeled += sub.peeled
+    here.samples += sub.samples
     here.n_found += sub.n_found
     here.rounds += sub.rounds
     here.n_candidates += sub.n_candidates

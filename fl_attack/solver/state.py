@@ -217,7 +217,8 @@ class SearchState:
     peeler: Callable[..., Peeled] | None = None
     """Recovers and verifies the samples of found columns (``fl_attack.steps.peel``), if given."""
     peeled: Peeled | None = None
-    """Set when the search stopped to let verified samples be peeled off."""
+    """Set when the search stopped to let the samples read through the next layer (verified
+    or only read, ``Peeled.proven``) be peeled off."""
     exhausted: bool = False
     """Set when the budget ran out before the search or the final selection ended."""
     stopped: str = ""

@@ -64,8 +64,9 @@ READ_RTOL = {torch.float32: 1e-3, torch.float64: 1e-8}
 """Largest residual of that system at which :func:`recover` still *reads* a sample (every other
 test passed) without verifying it: a trained model's middle-strength samples hold the next
 layer's system only to 2-6·10⁻⁴, their contributions that close to the rounding. A read
-sample's coordinates join the search's complement and, in a basis that is not proven, its
-input replaces its row; it is never reported as verified."""
+sample is peeled off the gradient (or, where peeling leaves no clean rank, its coordinates join
+the search's complement) and, in a basis that is not proven, its input replaces its row; it is
+never reported as verified."""
 
 UNIQUE_RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 """Least σ_min/σ_max of the active units' system [W Rᵀ, -H] (columns scaled to unit norm) for
