@@ -231,3 +231,29 @@ def test_a_sample_only_read_replaces_its_row_in_an_unproven_basis_and_is_never_v
     only_read = got.take(torch.tensor([False, True]))
     assert only_read.verified.tolist() == [False, False, True]
     assert only_read.proven.tolist() == [False] and only_read.inputs[0, 0] == 2.0
+
+
+def test_read_samples_are_peeled_with_the_verified_unless_the_rest_loses_its_clean_rank(
+        case) -> None:
+    """``output_side._peelable``: samples only read (``Peeled.proven`` False) come off the
+    gradient with the verified ones when the batch left keeps a clean rank; a read sample
+    whose coordinates are off (so that what is left has no clean rank) leaves the verified
+    ones alone to peel; with no verified one to fall back to, nothing is peeled."""
+    from fl_attack.solver.output_side import _peelable
+
+    t = case()
+    dec = t["dec"]
+    got = _recover(t, t["Qt"][:, :6])
+    assert bool(got.verified.all())
+    got.proven = torch.tensor([True, True, True, False, False, False])
+    taken, sub = _peelable(dec, got)
+    assert taken is got and sub is not None and sub.batch_size == B - 6
+    off = got.take(torch.ones(6, dtype=torch.bool))
+    off.coords = off.coords.clone()
+    off.coords[4] += 0.3 * off.coords[4].norm() * normalize_columns(t["Qt"][:, 10:11])[:, 0]
+    assert peel.reduced(dec, off) is None  # the situation: the read sample breaks the cliff
+    taken, sub = _peelable(dec, off)
+    assert taken is not None and taken.proven.tolist() == [True] * 3
+    assert sub is not None and sub.batch_size == B - 3
+    only_read = off.take(~off.proven_mask())
+    assert _peelable(dec, only_read) == (None, None)
