@@ -184,3 +184,44 @@ def test_an_audit_reads_a_float32_replys_rounding_as_rounding(mnist_model,
     said = " ".join(filter(None, (record.reason, record.error)))
     assert record.status in verdicts.RECONSTRUCTED, (record.status, said)
     assert record.batch_size <= 20 and "attacked at B =" not in said
+
+
+def test_a_pass_at_the_round_cap_that_gained_is_followed_by_another(mnist_model, output_side,
+                                                                    monkeypatch) -> None:
+    """Under a time budget, the relaxed passes go on while each ends at the round cap with
+    more columns than the one before, and stop at the first that gains nothing; without a
+    budget, or with an explicit ``max_rounds``, there is one relaxed pass. Built directly:
+    the passes' outcomes are scripted (``loop.search`` replaced), the context is a trained
+    model's, whose relaxed threshold exists."""
+    import dataclasses
+
+    from fl_attack.core.clock import Clock
+    from fl_attack.solver import output_side as output_side_module
+    from fl_attack.solver.pool import CandidatePool
+    from fl_attack.solver.state import SearchState
+
+    t = _batch(mnist_model, 300, seed=1)
+    side = output_side(t.G, t.g, t.W, t.b)
+    assert relaxed(side.ctx) is not None  # the situation: a second pass exists
+    B = side.B
+
+    def run(found: list[int], clock: Clock, max_rounds: int | None = None) -> list[int]:
+        script, calls = iter(found), []
+
+        def search(ctx, state, pool):
+            calls.append(ctx.min_zeros)
+            state.stopped = "rounds"
+            return torch.eye(B, dtype=torch.float64), next(script)
+
+        monkeypatch.setattr(output_side_module.loop, "search", search)
+        cfg = dataclasses.replace(side.ctx.cfg, max_rounds=max_rounds)
+        ctx = dataclasses.replace(side.ctx, clock=clock, cfg=cfg)
+        output_side_module._search(ctx, SearchState(), CandidatePool(ctx))
+        return calls
+
+    first, low = side.ctx.min_zeros, relaxed(side.ctx).min_zeros
+    # gains 10, then 12, then nothing: the first pass, three relaxed, stop
+    assert run([B - 20, B - 10, B - 5, B - 5, B - 1], Clock(600.0)) == [first] + [low] * 3
+    assert run([B - 20, B - 10, B - 5], Clock(None)) == [first, low]
+    assert run([B - 20, B - 10, B - 5], Clock(600.0), max_rounds=50) == [first, low]
+    assert run([B - 20, B - 20, B - 1], Clock(600.0)) == [first, low]  # nothing gained

@@ -358,8 +358,10 @@ def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
     cap, or starved) with budget left, a second pass with a lower zero threshold
     (``state.relaxed``: a trained model's columns keep fewer zeros than the papers' threshold
     asks), its pool seeded with the first's; an explicit ``AttackConfig.max_rounds`` caps
-    both passes together. Returns the context and pool of the last pass, the basis and the
-    columns found."""
+    both passes together. Under a time budget, a pass that ends at the round cap without its
+    B columns but with more than the one before it (columns selected, samples read through
+    the next layer, or λ) is followed by another, until one gains nothing. Returns the
+    context and pool of the last pass, the basis and the columns found."""
     Q, n_found = loop.search(ctx, state, pool)
     cap = ctx.cfg.max_rounds
     if (state.peeled is not None or state.stopped not in ("rounds", "starved")
@@ -374,8 +376,25 @@ def _search(ctx: SearchContext, state: SearchState, pool: CandidatePool
                   ctx.min_zeros)
     wide = CandidatePool(low)
     wide.add(pool.columns, zero_mask(ctx.L @ pool.columns.to(ctx.L), ctx.zero_rtol).sum(dim=0))
+    before = _gains(state, n_found)
     Q, n_found = loop.search(low, state, wide)
+    while (state.peeled is None and state.stopped == "rounds" and n_found < low.B
+           and cap is None and low.clock.deadline is not None and not low.clock.expired()):
+        now = _gains(state, n_found)
+        if not any(a > b for a, b in zip(now, before, strict=True)):
+            break
+        before = now
+        loop.progress(low, "%.1fs: %d/%d directions at the round cap, more than the pass "
+                      "before: the search goes on", low.clock.elapsed(), n_found, low.B)
+        Q, n_found = loop.search(low, state, wide)
     return low, wide, Q, n_found
+
+
+def _gains(state: SearchState, n_found: int) -> tuple[int, int, float]:
+    """What a search pass can gain: columns selected, samples read through the next layer
+    (kept in ``state.verified``; peeled ones end the pass), and λ."""
+    known = 0 if state.verified is None else state.verified.coords.shape[0]
+    return n_found, known, state.match.value if state.match is not None else -1.0
 
 
 def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
