@@ -239,8 +239,8 @@ def _finding(outcome: AttackOutcome, seconds: float) -> GuardFinding:
     if status not in _CODE_OF:
         status = verdicts.ATTACK_ERROR
     batch = int(outcome.reconstruction_field("batch_size") or 0)
-    peeled = int(outcome.reconstruction_field("peeled") or 0)
-    readable = batch if outcome.status == verdicts.CERTIFIED else peeled
+    verified = len(outcome.reconstruction_field("verified") or ())  # peeled or kept
+    readable = batch if outcome.status == verdicts.CERTIFIED else verified
     lam = outcome.reconstruction_field("sparsity_match")
     return GuardFinding(status, readable, None if lam is None else float(lam), seconds,
                         outcome.reason or outcome.error)

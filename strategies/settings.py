@@ -80,9 +80,9 @@ class AttackSettings:
         ``"gradient"`` and, when that is not certified, ``"fedavg"``, and keep the better
         certified result (the record says which reading won).
     next_layer : bool
-        Also pass the next linear layer's update, so verified samples are peeled off and the
-        rest is searched as a smaller batch (``fl_attack.steps.peel``). Used for gradient
-        readings only.
+        Also pass the next linear layer's update, so the samples read through it are peeled
+        off and the rest is searched as a smaller batch (``fl_attack.steps.peel``). Used for
+        gradient readings only.
     method : {"spear++", "spear"}
     max_seconds : float, optional
         Soft time budget of one attack (``fl_attack.AttackConfig.max_seconds``); ``None``: the

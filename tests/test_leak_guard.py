@@ -214,3 +214,17 @@ def test_report_with_a_guard_that_runs_out_of_time(tmp_path: Path) -> None:
     for ln in lines:
         assert ln["guard"] is not None and not ln["guard"]["refused"]
         assert ln["status"] in verdicts.RECONSTRUCTED  # the server still attacked the update
+
+
+def test_a_partial_finding_counts_only_the_samples_verified_one_by_one() -> None:
+    """Samples peeled off but only read (``peel.READ_RTOL``) are not proven readable: the
+    finding counts the verified rows, B only when certified."""
+    from fl_attack_flwr.clients.leak_guard import _finding
+    from fl_attack_flwr.jobs.outcome import AttackOutcome
+
+    rec = {"batch_size": 8, "peeled": 5, "verified": [0, 2], "sparsity_match": 0.9}
+    partial = _finding(AttackOutcome(verdicts.PARTIAL, reconstruction=rec), 1.0)
+    assert partial.readable_samples == 2 and not partial.certified
+    whole = _finding(AttackOutcome(verdicts.CERTIFIED, reconstruction=dict(rec, verified=[])),
+                     1.0)
+    assert whole.readable_samples == 8
