@@ -220,7 +220,7 @@ def test_a_pass_at_the_round_cap_that_gained_is_followed_by_another(mnist_model,
         return calls
 
     first, low = side.ctx.min_zeros, relaxed(side.ctx).min_zeros
-    # gains 10, then 12, then nothing: the first pass, three relaxed, stop
+    # gains 10, then 5, then nothing: the first pass, three relaxed, stop
     assert run([B - 20, B - 10, B - 5, B - 5, B - 1], Clock(600.0)) == [first] + [low] * 3
     assert run([B - 20, B - 10, B - 5], Clock(None)) == [first, low]
     assert run([B - 20, B - 10, B - 5], Clock(600.0), max_rounds=50) == [first, low]

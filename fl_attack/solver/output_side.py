@@ -309,9 +309,10 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         taken, sub_dec = _peelable(dec, peeled)
         clock.tick("peel", t0)
         if taken is None:
-            warnings.warn(f"peeling {peeled.coords.shape[0]} samples did not leave a clean "
-                          f"rank {B - peeled.coords.shape[0]}: the search goes on without "
-                          "peeling (their rows keep the verified inputs)", stacklevel=4)
+            n = peeled.coords.shape[0]
+            warnings.warn(f"peeling {n} samples did not leave a clean rank {B - n}: the search "
+                          "goes on without peeling (their rows keep the verified inputs)",
+                          stacklevel=4)
             state.peeler = None
             candidates.keep_verified(state, peeled, pool)
             continue
@@ -340,9 +341,9 @@ def _peelable(dec: Decomposition, peeled: Peeled
     left): all of ``peeled`` when the rest keeps a clean rank, else only its verified ones
     (a read sample's residual error can blur the cliff), else (None, None)."""
     B = dec.batch_size
-    proven = peeled.proven_mask()
-    tries = [peeled] if bool(proven.all()) or not bool(proven.any()) else [
-        peeled, peeled.take(proven)]
+    tries, proven = [peeled], peeled.proven_mask()
+    if bool(proven.any()) and not bool(proven.all()):
+        tries.append(peeled.take(proven))
     for got in tries:
         if got.coords.shape[0] == B:
             return got, None
