@@ -1,0 +1,283 @@
+"""``invert_text``: the sentences behind a transformer's update (DAGER), in one call."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fl_attack.core.clock import Clock
+from fl_attack.errors import NotIdentifiable
+from fl_attack.text import certify
+from fl_attack.text.families import Family, family_of
+from fl_attack.text.last_token import INTEGER_TOL, Endings, read_endings
+from fl_attack.text.result import SequenceEvidence, TextReconstruction
+from fl_attack.text.sequences import Growth, grow
+from fl_attack.text.span import Span, read_span
+from fl_attack.text.tokens import TokenFilter, filter_tokens
+
+
+def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: int | None = None,
+                max_seconds: float | None = 120.0, seed: int = 0,
+                device: str | torch.device | None = None, tau: float = 1e-4
+                ) -> TextReconstruction:
+    """Recover the token sequences behind one FedSGD step of next-token fine-tuning.
+
+    Parameters
+    ----------
+    model
+        The model the client started from (a ``transformers`` causal LM of a covered family:
+        LLaMA/Mistral/Qwen2 with rotary positions, GPT-2 with learned positions). Not modified.
+    gradients
+        Parameter name (as in ``model.named_parameters()``) → its gradient, torch or NumPy.
+        Needed: block 0's attention projections (``q_proj``/``k_proj``/``v_proj``; GPT-2
+        ``c_attn``), and block 0's MLP input projections and/or block 1's attention
+        projections; the output layer's weight (the tied embedding where tied) gives the last
+        tokens. Others are ignored.
+    batch_size
+        The number of sentences, if known: a recovery of another count is not certified.
+    max_seconds
+        Time budget of the call (None: none); the token filter and the assembly stop there.
+    seed
+        Accepted for symmetry with :func:`fl_attack.invert`; the attack is deterministic.
+    device
+        Where to compute (default: the model's device). The model is copied there if needed.
+    tau
+        Largest relative distance to a span at which a token or prefix is kept.
+
+    Returns
+    -------
+    TextReconstruction
+
+    Raises
+    ------
+    fl_attack.text.families.UnsupportedModel
+        The model's family has no adapter.
+    ValueError
+        A needed gradient is missing, has the wrong shape, or holds NaN/Inf; ``tau`` is not in
+        (0, 1).
+
+    Examples
+    --------
+    >>> rec = invert_text(model, {n: p.grad for n, p in model.named_parameters()})  # doctest: +SKIP
+    >>> [tokenizer.decode(ids) for ids in rec.token_ids]                           # doctest: +SKIP
+    """
+    del seed
+    if not 0.0 < tau < 1.0:
+        raise ValueError(f"tau must be in (0, 1), got {tau}")
+    clock = Clock(max_seconds)
+    if device is not None and next(model.parameters()).device != torch.device(device):
+        import copy
+
+        model = copy.deepcopy(model).to(device)
+    family = family_of(model)
+    with _eval(model):
+        return _run(family, _validated(family, gradients), batch_size, clock, tau)
+
+
+def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None, clock: Clock,
+         tau: float) -> TextReconstruction:
+    t0 = time.perf_counter()
+    try:
+        spans = _spans(family, grads)
+    except NotIdentifiable as err:
+        return TextReconstruction([], [], False, "not-identifiable", str(err),
+                                  family=family.name, seconds=clock.elapsed())
+    clock.tick("spans", t0)
+    t0 = time.perf_counter()
+    bag = filter_tokens(family, spans["attn0"], tau=tau, deadline=clock.deadline)
+    clock.tick("tokens", t0)
+    t0 = time.perf_counter()
+    limit = (spans["attn1"] or spans["mlp"]).rank
+    growth = grow(family, bag.candidates, spans, tau=tau, max_prefixes=limit,
+                  deadline=clock.deadline)
+    clock.tick("sequences", t0)
+    leaves = [(list(map(int, row)), [tuple(map(float, d)) for d in dist])
+              for leaf in growth.leaves for row, dist in zip(leaf.tokens.tolist(),
+                                                             leaf.distances.tolist(),
+                                                             strict=True)]
+    t0 = time.perf_counter()
+    out_name = family.output_weight()
+    endings = None
+    if out_name in grads and leaves:
+        weight = dict(family.model.named_parameters())[out_name]
+        with _grad_on(weight):
+            endings = read_endings(family.model, weight, grads[out_name], [t for t, _ in leaves])
+            counts = [sum(c for _, c in lab) or 1 for lab in endings.labels]
+            if any(c != 1 for c in counts):
+                endings = read_endings(family.model, weight, grads[out_name],
+                                       [t for t, _ in leaves], counts)
+    clock.tick("last_token", t0)
+    sequences = _sequences(leaves, endings)
+    rec = _verdict(family, grads, spans, bag, growth, sequences, endings, batch_size, clock)
+    rec.seconds = clock.elapsed()
+    return rec
+
+
+def _sequences(leaves: list[tuple[list[int], list[tuple[float, float]]]],
+               endings: Endings | None) -> list[SequenceEvidence]:
+    out = []
+    for j, (prefix, dist) in enumerate(leaves):
+        labels = endings.labels[j] if endings else []
+        if not labels:
+            out.append(SequenceEvidence(prefix, dist, None, None))
+            continue
+        for (tok, count), coef in zip(labels, endings.coefficients[j], strict=True):
+            out.append(SequenceEvidence(prefix + [tok], dist, tok, coef, count))
+    return out
+
+
+def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Span | None],
+             bag: TokenFilter, growth: Growth, sequences: list[SequenceEvidence],
+             endings: Endings | None, batch_size: int | None, clock: Clock
+             ) -> TextReconstruction:
+    """Assemble the result, recompute the update and decide the certificate."""
+    token_ids = [s.token_ids for s in sequences for _ in range(s.count)]
+    not_carried, unproven = [], []
+    out_name = family.output_weight()
+    if endings is None and sequences:
+        not_carried.append(
+            "the last token of each sentence: under next-token loss it reaches no span and is "
+            f"only the label of the position before, and the update has no gradient for "
+            f"{out_name}")
+    stopped = "complete"
+    if bag.stopped == "budget" or growth.stopped == "budget":
+        stopped = "budget"
+        unproven.append("the time budget ended the search")
+    elif growth.stopped == "ambiguous":
+        stopped = "ambiguous"
+        unproven.append("more prefixes passed the span checks at one position than the span "
+                        "holds vectors: the checks do not separate (noise?)")
+    unproven += _margin_faults(bag, growth)
+    unproven += _rank_faults(family, spans, sequences)
+    missing = sum(s.last_token is None for s in sequences)
+    if missing:
+        unproven.append(f"{missing} sentence(s) without their last token")
+    off = [c for s in sequences if s.last_coefficient is not None
+           for c in [s.last_coefficient / s.count] if abs(c - 1.0) > INTEGER_TOL]
+    if off:
+        unproven.append(f"{len(off)} last token(s) read with a coefficient far from an integer")
+    if batch_size is not None and len(token_ids) != batch_size:
+        unproven.append(f"{len(token_ids)} sentences read, batch_size={batch_size} given")
+    residuals: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if token_ids and all(len(t) > 1 for t in token_ids):
+        names = [n for n in _read_names(family, spans) if n in grads]
+        if out_name in grads:
+            names.append(out_name)
+        check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names})
+        residuals = check.residuals
+        if check.worst > certify.RESIDUAL:
+            unproven.append(f"the recovered batch reproduces the update only to "
+                            f"{check.worst:.2g} relative error (needs < {certify.RESIDUAL:g})")
+    clock.tick("certify", t0)
+    if not token_ids:
+        unproven.append("no sentence was read")
+    certified = not unproven and not not_carried
+    n = len(token_ids)
+    reason = (f"read {n} sentence(s) exactly (certified): every token passed the span checks "
+              "with margin, the spans are fully explained and the batch reproduces the update"
+              if certified else f"read {n} sentence(s), not certified: " +
+              "; ".join(unproven + not_carried))
+    return TextReconstruction(
+        token_ids, sequences, certified, stopped, reason, not_carried=not_carried,
+        family=family.name, ranks={k: s.rank for k, s in spans.items() if s is not None},
+        margins={"tokens_accepted_max": bag.accepted_max, "tokens_rejected_min": bag.rejected_min,
+                 "prefixes_accepted_max": growth.accepted_max,
+                 "prefixes_rejected_min": growth.rejected_min},
+        residuals=residuals, timings=dict(clock.timings))
+
+
+def _margin_faults(bag: TokenFilter, growth: Growth) -> list[str]:
+    out = []
+    for what, acc, rej in (("tokens", bag.accepted_max, bag.rejected_min),
+                           ("prefixes", growth.accepted_max, growth.rejected_min)):
+        if acc * certify.MARGIN > rej:
+            out.append(f"the {what} kept ({acc:.2g}) and rejected ({rej:.2g}) lie less than "
+                       f"{certify.MARGIN:g}x apart from the span")
+    return out
+
+
+def _rank_faults(family: Family, spans: dict[str, Span | None],
+                 sequences: list[SequenceEvidence]) -> list[str]:
+    """Spans whose rank differs from the distinct inputs the recovered batch puts there."""
+    prefixes = {tuple(s.token_ids[: len(s.span_distances)]) for s in sequences}
+    nodes = {p[:i] for p in prefixes for i in range(1, len(p) + 1)}
+    inputs = ({(n[-1], len(n) - 1) for n in nodes} if family.positional_inputs
+              else {n[-1] for n in nodes})
+    expected = {"attn0": len(inputs), "mlp": len(nodes), "attn1": len(nodes)}
+    return [f"{k}: the span has rank {s.rank}, the recovered batch explains {expected[k]}"
+            for k, s in spans.items() if s is not None and s.rank != expected[k]]
+
+
+def _spans(family: Family, grads: dict[str, torch.Tensor]) -> dict[str, Span | None]:
+    out: dict[str, Span | None] = {}
+    for key, block, part in (("attn0", 0, "attn"), ("mlp", 0, "mlp"), ("attn1", 1, "attn")):
+        readers = family.readers(block, part)
+        if not all(r.name in grads for r in readers):
+            out[key] = None
+            continue
+        rows = torch.cat([grads[r.name].T if r.transpose else grads[r.name] for r in readers])
+        out[key] = read_span(rows, what=f"block {block} {part} ({readers[0].name})")
+    return out
+
+
+def _read_names(family: Family, spans: dict[str, Span | None]) -> list[str]:
+    parts = {"attn0": (0, "attn"), "mlp": (0, "mlp"), "attn1": (1, "attn")}
+    return [r.name for k, s in spans.items() if s is not None
+            for r in family.readers(*parts[k])]
+
+
+def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The gradients the attack reads, as float tensors on the model's device, checked."""
+    if not isinstance(gradients, Mapping):
+        raise ValueError(f"gradients must map parameter names to tensors, got "
+                         f"{type(gradients).__name__}")
+    params = dict(family.model.named_parameters())
+    need = [r.name for r in family.readers(0, "attn")]
+    later = [r.name for r in family.readers(0, "mlp") + family.readers(1, "attn")]
+    wanted = need + later + [family.output_weight()]
+    missing = [n for n in need if n not in gradients]
+    if missing:
+        raise ValueError(f"gradients lack {', '.join(missing)}: block 0's attention projections "
+                         "give the token filter")
+    if not any(n in gradients for n in later):
+        raise ValueError(f"gradients lack block 0's MLP and block 1's attention projections "
+                         f"({', '.join(later)}): one of them orders the tokens into sentences")
+    out = {}
+    for name in wanted:
+        if name not in gradients:
+            continue
+        g = torch.as_tensor(gradients[name])
+        ref = params[name]
+        if tuple(g.shape) != tuple(ref.shape):
+            raise ValueError(f"gradient of {name} has shape {tuple(g.shape)}, the parameter "
+                             f"{tuple(ref.shape)}")
+        if not torch.isfinite(g).all():
+            raise ValueError(f"gradient of {name} holds NaN or Inf")
+        out[name] = g.detach().to(device=ref.device, dtype=torch.float32)
+    return out
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+@contextlib.contextmanager
+def _grad_on(param: nn.Parameter) -> Iterator[None]:
+    was = param.requires_grad
+    param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        param.requires_grad_(was)

@@ -1,0 +1,82 @@
+"""The text certificate: the recovered batch reproduces the update.
+
+A batch is certified when all of these hold (``docs/algorithm.md``, "The text certificate"):
+
+1. every token and every prefix was kept with a clear margin: the largest kept distance to its
+   span is at most ``MARGIN`` times smaller than the smallest rejected one;
+2. the spans are fully explained: each block's rank equals the number of distinct inputs the
+   recovered batch puts there (no position of the update is left unread);
+3. every sentence has its last token, read with an integer coefficient;
+4. the gradient of the mean next-token loss on the recovered batch, computed by the server from
+   the model it sent, equals the update on every parameter read, up to one common scale, to
+   ``RESIDUAL`` relative error (float32 rounding): a single wrong token changes the output
+   layer's gradient by about ``1/√N`` of its norm over N labelled positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fl_attack.text.batch import logits_and_head_inputs, next_token_loss, padded
+
+#: Kept distances must sit this many times below the nearest rejected one.
+MARGIN = 100.0
+#: Relative residual of the recomputed update, per parameter.
+RESIDUAL = 1e-3
+
+
+@dataclass
+class Recomputed:
+    """The update the recovered batch would have produced, against the one observed.
+
+    Attributes
+    ----------
+    scale : float
+        α fitted over every parameter at once (observed ≈ α × recomputed).
+    residuals : dict[str, float]
+        Per parameter, ``‖observed − α recomputed‖ / ‖observed‖``.
+    """
+
+    scale: float
+    residuals: dict[str, float]
+
+    @property
+    def worst(self) -> float:
+        """The largest residual."""
+        return max(self.residuals.values())
+
+
+def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
+              observed: Mapping[str, torch.Tensor]) -> Recomputed:
+    """Recompute the gradient of the parameters in ``observed`` on ``sentences`` and compare.
+
+    Parameters
+    ----------
+    model
+        The model the client started from (eval mode: no dropout).
+    sentences
+        The recovered batch, whole sentences.
+    observed
+        Parameter name → the update observed for it (same shape as the parameter).
+    """
+    params = dict(model.named_parameters())
+    names = list(observed)
+    device = params[names[0]].device
+    ids, mask = padded(sentences, device)
+    with torch.enable_grad():
+        logits, _ = logits_and_head_inputs(model, ids, mask)
+        loss, _ = next_token_loss(logits, ids, mask)
+        grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+    obs = [observed[n].double() for n in names]
+    rec = [torch.zeros_like(o) if g is None else g.double() for g, o in zip(grads, obs,
+                                                                              strict=True)]
+    num = sum(float((o * r).sum()) for o, r in zip(obs, rec, strict=True))
+    den = sum(float((r * r).sum()) for r in rec)
+    alpha = num / den if den > 0 else 0.0
+    residuals = {n: float((o - alpha * r).norm() / o.norm().clamp_min(1e-300))
+                 for n, o, r in zip(names, obs, rec, strict=True)}
+    return Recomputed(alpha, residuals)

@@ -1,0 +1,94 @@
+"""What :func:`fl_attack.text.invert_text` returns."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SequenceEvidence:
+    """How one recovered sentence was read.
+
+    Attributes
+    ----------
+    token_ids : list[int]
+        The sentence (with its last token where read).
+    span_distances : list[tuple[float, float]]
+        Per position of the prefix, the relative distance of its vector to block 0's MLP-input
+        span and to block 1's attention-input span (NaN where that check did not run; position
+        0 of a sentence is checked like any other).
+    last_token : int | None
+        The last token, read from the output layer; None where the update does not carry it.
+    last_coefficient : float | None
+        Its coefficient in the output layer's gradient (1.0 for one sentence, exactly read).
+    count : int
+        How many sentences of the batch are this one (repeats cannot be told apart otherwise).
+    """
+
+    token_ids: list[int]
+    span_distances: list[tuple[float, float]]
+    last_token: int | None
+    last_coefficient: float | None
+    count: int = 1
+
+
+@dataclass
+class TextReconstruction:
+    """The sentences read off a transformer's update.
+
+    Attributes
+    ----------
+    token_ids : list[list[int]]
+        One list per recovered sentence (repeats listed as often as counted), in the model's
+        tokenizer; decode with it. Order is not the batch's.
+    sequences : list[SequenceEvidence]
+        The distinct sentences with their evidence.
+    certified : bool
+        Proven without ground truth (the conditions in ``docs/algorithm.md``, "The text
+        certificate"): every token of every sentence, the last included, is the client's.
+    stopped : str
+        ``"complete"``, ``"budget"``, ``"ambiguous"`` (the span checks did not separate),
+        ``"not-identifiable"`` (as many positions as the width, or no signal).
+    reason : str
+        The verdict in words: what was read and, where not certified, why.
+    not_carried : list[str]
+        What the update does not hold, named, never guessed (e.g. the last tokens when the
+        output layer's gradient is absent).
+    family : str
+        The adapter that read the model (``"rotary"``, ``"learned"``).
+    ranks : dict[str, int]
+        Numerical rank of each span read (``attn0``, ``mlp0``, ``attn1``).
+    margins : dict[str, float]
+        ``accepted_max`` and ``rejected_min`` distances over the token and prefix checks.
+    residuals : dict[str, float]
+        Per parameter, the recomputed update's relative residual (empty when not computed).
+    timings : dict[str, float]
+        Seconds per step (``spans``, ``tokens``, ``sequences``, ``last_token``, ``certify``).
+    seconds : float
+        Wall time of the call.
+    """
+
+    token_ids: list[list[int]]
+    sequences: list[SequenceEvidence]
+    certified: bool
+    stopped: str
+    reason: str
+    not_carried: list[str] = field(default_factory=list)
+    family: str = ""
+    ranks: dict[str, int] = field(default_factory=dict)
+    margins: dict[str, float] = field(default_factory=dict)
+    residuals: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        """Sentences recovered, repeats counted."""
+        return len(self.token_ids)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (for records and reports)."""
+        out = asdict(self)
+        out["batch_size"] = self.batch_size
+        return out
