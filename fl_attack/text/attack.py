@@ -107,10 +107,6 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
         weight = dict(family.model.named_parameters())[out_name]
         with _grad_on(weight):
             endings = read_endings(family.model, weight, grads[out_name], [t for t, _ in leaves])
-            counts = [sum(c for _, c in lab) or 1 for lab in endings.labels]
-            if any(c != 1 for c in counts):
-                endings = read_endings(family.model, weight, grads[out_name],
-                                       [t for t, _ in leaves], counts)
     clock.tick("last_token", t0)
     sequences = _sequences(leaves, endings)
     rec = _verdict(family, grads, spans, bag, growth, sequences, endings, batch_size, clock)

@@ -47,9 +47,9 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
     logits, ids, mask
         (b, n, V), (b, n), (b, n).
     open_ends
-        (b,) positions whose label is unknown: their term is ``logsumexp(z)`` alone (the
-        softmax part of the cross-entropy; the label's part is what the caller reads), and
-        they count in the mean.
+        (b,) per sentence, the position whose label is unknown (-1: none): its term is
+        ``logsumexp(z)`` alone (the softmax part of the cross-entropy; the label's part is what
+        the caller reads), and it counts in the mean.
 
     Returns
     -------
@@ -63,8 +63,8 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
     known = labels != IGNORE
     total = torch.nn.functional.cross_entropy(z[known], labels[known], reduction="sum")
     count = int(known.sum())
-    if open_ends is not None:
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        total = total + torch.logsumexp(logits[rows, open_ends], dim=-1).sum()
-        count += int(open_ends.numel())
+    if open_ends is not None and bool((open_ends >= 0).any()):
+        rows = torch.nonzero(open_ends >= 0).flatten()
+        total = total + torch.logsumexp(logits[rows, open_ends[rows]], dim=-1).sum()
+        count += int(rows.numel())
     return total / count, count

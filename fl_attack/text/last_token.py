@@ -48,8 +48,13 @@ class Endings:
 
 
 def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
-                 prefixes: list[list[int]], counts: list[int] | None = None) -> Endings:
+                 prefixes: list[list[int]], *, rounds: int = 4) -> Endings:
     """Read the tokens that follow each prefix from the output weight's gradient.
+
+    The first reading assumes one sentence per prefix and an unknown label; each later one
+    recomputes the update with the labels read so far (so the known part includes their
+    input-side gradients, which tied embeddings mix into the same rows) and reads what is
+    left, until two readings agree or ``rounds`` are spent.
 
     Parameters
     ----------
@@ -61,31 +66,56 @@ def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
         Its gradient (or update), (V, d).
     prefixes
         Each sentence's tokens but its last.
-    counts
-        Sentences per prefix (default 1 each), as a first reading may have told.
+    rounds
+        The most readings.
     """
-    counts = counts or [1] * len(prefixes)
-    batch = [p for p, c in zip(prefixes, counts, strict=True) for _ in range(c)]
+    guess: list[list[tuple[int, int]]] | None = None
+    for _ in range(rounds):
+        found = _read(model, weight, observed, prefixes, guess, first=guess is None)
+        if found.labels == guess:
+            break
+        guess = found.labels
+    return found
+
+
+def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
+          prefixes: list[list[int]], guess: list[list[tuple[int, int]]] | None, *,
+          first: bool) -> Endings:
+    """One reading: the coefficients of ``R = −N (G / α − G_known)`` in the prefixes' ends."""
+    rows_of: list[list[int]] = []
+    batch, open_end = [], []
+    for j, prefix in enumerate(prefixes):
+        labels = (guess[j] if guess else None) or [(None, 1)]
+        rows_of.append([])
+        for tok, count in labels:
+            for _ in range(count):
+                rows_of[j].append(len(batch))
+                batch.append(prefix + ([] if tok is None else [tok]))
+                open_end.append(tok is None)
     device = weight.device
     ids, mask = padded(batch, device)
-    ends = torch.as_tensor([len(p) - 1 for p in batch], device=device)
+    ends = torch.as_tensor([len(prefixes[j]) - 1 for j, rs in enumerate(rows_of) for _ in rs],
+                           device=device)
+    is_open = torch.as_tensor(open_end, device=device)
     with torch.enable_grad():
         logits, heads = logits_and_head_inputs(model, ids, mask)
-        loss, n = next_token_loss(logits, ids, mask, open_ends=ends)
+        loss, n = next_token_loss(logits, ids, mask,
+                                  open_ends=torch.where(is_open, ends, -1))
         (known,) = torch.autograd.grad(loss, [weight])
-    rows = torch.arange(len(batch), device=device)
-    h = heads[rows, ends].detach().double()
-    first = torch.as_tensor([sum(counts[:i]) for i in range(len(prefixes))], device=device)
-    h = h[first]                                                      # one row per prefix
+    h = heads[torch.as_tensor([rs[0] for rs in rows_of], device=device),
+              torch.as_tensor([len(p) - 1 for p in prefixes], device=device)].detach().double()
     obs, known = observed.double(), known.double()
     alpha = _fit_scale(obs, known, skip=len(prefixes) * 2)
-    resid = -n * (obs / alpha - known)                                # Σ_s e_{y_s} h_sᵀ
-    coef = resid @ torch.linalg.pinv(h)                               # (V, prefixes)
+    coef = -n * (obs / alpha - known) @ torch.linalg.pinv(h)           # (V, prefixes)
+    if guess:
+        for j, labels in enumerate(guess):
+            for tok, count in labels:
+                coef[tok, j] += count
     labels, values = [], []
     for j in range(len(prefixes)):
         col = coef[:, j]
         top = torch.nonzero(col > 0.5).flatten()
-        top = top[torch.argsort(col[top], descending=True)][:8]
+        top = top[torch.argsort(col[top], descending=True)][: 1 if first else 8]
         labels.append([(int(v), max(1, round(float(col[v])))) for v in top])
         values.append([float(col[v]) for v in top])
     return Endings(labels, values, alpha)
@@ -93,14 +123,17 @@ def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
 
 def _fit_scale(obs: torch.Tensor, known: torch.Tensor, *, skip: int) -> float:
     """Least-squares α in ``obs ≈ α known`` over the rows, leaving out the ``skip`` rows that fit
-    worst (those the unknown labels touch)."""
-    alpha = float((obs * known).sum() / (known * known).sum().clamp_min(1e-300))
-    for _ in range(2):
-        bad = (obs - alpha * known).norm(dim=1)
-        keep = torch.ones(obs.shape[0], dtype=torch.bool, device=obs.device)
-        keep[torch.topk(bad, min(skip, obs.shape[0] - 1)).indices] = False
-        o, k = obs[keep], known[keep]
-        alpha = float((o * k).sum() / (k * k).sum().clamp_min(1e-300))
+    worst (those the unknown labels touch). Row sums are formed once: ``‖o − αk‖² = oo − 2α ok
+    + α² kk`` per row."""
+    oo, ok, kk = (obs * obs).sum(1), (obs * known).sum(1), (known * known).sum(1)
+    keep = torch.ones_like(ok, dtype=torch.bool)
+    alpha = 0.0
+    for _ in range(3):
+        den = float(kk[keep].sum())
+        alpha = float(ok[keep].sum()) / den if den > 0 else 0.0
+        bad = oo - 2 * alpha * ok + alpha * alpha * kk
+        keep = torch.ones_like(keep)
+        keep[torch.topk(bad, min(skip, bad.numel() - 1)).indices] = False
     if alpha == 0.0:
         raise ValueError("the output layer's gradient is zero")
     return alpha

@@ -51,12 +51,12 @@ class Span:
     def distance(self, x: torch.Tensor) -> torch.Tensor:
         """Relative distance ``‖x − P x‖ / ‖x‖`` of each row of ``x`` (k, d) to the span.
 
-        Computed as ``sqrt(1 − ‖Uᵀx‖² / ‖x‖²)`` in float64, batched as one matrix product.
+        The residual is formed explicitly in float64 (two matrix products), not as
+        ``1 − ‖Uᵀx‖²/‖x‖²``, whose cancellation would floor every distance near 1e-8.
         """
         x = x.to(self.basis.dtype)
-        norm2 = (x * x).sum(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
-        inside = ((x @ self.basis) ** 2).sum(dim=1)
-        return (1.0 - inside / norm2).clamp_min(0.0).sqrt()
+        resid = x - (x @ self.basis) @ self.basis.T
+        return resid.norm(dim=1) / x.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
 
 
 def read_span(rows: torch.Tensor, *, what: str, rank: int | None = None) -> Span:

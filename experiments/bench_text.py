@@ -1,0 +1,110 @@
+"""Benchmark: the text attack (DAGER, ``fl_attack.text.invert_text``) on real sentences.
+
+One FedSGD step of next-token fine-tuning per batch, as a client computes it with
+``transformers`` (right padding, mean loss over the labelled tokens); the server inverts the
+update with the model it sent. Per row: mean ROUGE-1 / ROUGE-2 (``rouge-score``, sentences
+matched to the originals by optimal assignment), the share of sentences recovered token for
+token, token precision / recall, the share of batches certified, false certificates (a
+certified batch that is not exact: must be 0) and seconds per batch (the model's load and the
+client's step not counted). Appends a section per run to ``experiments/results/text.md``.
+
+Text sources (``fl_attack.testbed.text``): ``wordnet`` (tuning) and ``fortunes`` (never tuned
+on). Models: ``smollm2`` (SmolLM2-135M, rotary positions) and ``gpt2`` (the GPT-2 small
+architecture with random weights, learned positions).
+
+    python -m experiments.bench_text --model smollm2 --source fortunes --batch-sizes 1,2,4,8,16
+    python -m experiments.bench_text --model gpt2 --source fortunes --batch-sizes 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from experiments import harness
+from fl_attack.testbed import text as tt
+from fl_attack.text import invert_text
+
+MODULE = "experiments.bench_text"
+RESULTS = harness.RESULTS_DIR / "text.md"
+TITLE = "The text attack (DAGER) on real sentences"
+INTRO = ("One FedSGD step of next-token fine-tuning per batch; the server reads the sentences "
+         "back with `fl_attack.text.invert_text`. Produced by `python -m "
+         "experiments.bench_text`.")
+COLUMNS = ("model", "source", "B", "max tokens", "batches", "ROUGE-1", "ROUGE-2", "exact %",
+           "token P / R", "certified %", "false certs", "median s", "max s")
+
+
+def load(name: str):
+    """The model and a tokenizer (SmolLM2's for both: GPT-2's own is not shipped offline)."""
+    model, tok = tt.smollm2()
+    if name == "smollm2":
+        return model, tok
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tok), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval(), tok
+
+
+def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: int,
+            max_seconds: float | None) -> tuple[list[object], list[str]]:
+    """Attack ``count`` batches of ``b`` sentences; the summary row and per-batch notes."""
+    scores, secs, certs, false_certs, notes = [], [], 0, 0, []
+    for i, batch in enumerate(tt.batches(source, b, count, seed=seed, max_tokens=max_tokens,
+                                         tokenizer=tok)):
+        ids = [tok(s).input_ids for s in batch]
+        grads = tt.fedsgd_gradients(model, ids)
+        t0 = time.perf_counter()
+        rec = invert_text(model, grads, max_seconds=max_seconds)
+        secs.append(time.perf_counter() - t0)
+        sc = tt.score_text(rec.token_ids, ids, tok.decode)
+        scores.append(sc)
+        certs += rec.certified
+        false_certs += rec.certified and not sc.batch_exact
+        print(f"  B={b} batch {i}: R1 {sc.rouge1:.3f} R2 {sc.rouge2:.3f} exact {sc.exact:.2f} "
+              f"cert {rec.certified} {secs[-1]:.1f}s {rec.timings}", flush=True)
+        if not sc.batch_exact or not rec.certified:
+            notes.append(f"- B = {b}, batch {i}: {rec.reason}")
+    mean = lambda k: statistics.fmean(getattr(s, k) for s in scores)  # noqa: E731
+    row = [type(model).__name__, source, b, max_tokens, count, f"{mean('rouge1'):.3f}",
+           f"{mean('rouge2'):.3f}", f"{100 * mean('exact'):.0f}",
+           f"{mean('token_precision'):.3f} / {mean('token_recall'):.3f}",
+           f"{100 * certs / count:.0f}", false_certs, f"{statistics.median(secs):.1f}",
+           f"{max(secs):.1f}"]
+    return row, notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
+    parser.add_argument("--source", choices=("wordnet", "fortunes"), default="fortunes")
+    parser.add_argument("--batch-sizes", type=harness.list_of(int, "batch size"),
+                        default=[1, 2, 4, 8, 16])
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="longest sentence, in the model's tokens")
+    harness.add_run_args(parser, RESULTS, batches=3, max_seconds=120.0)
+    args = parser.parse_args(argv)
+    harness.check_run_args(parser, args)
+    torch.set_grad_enabled(True)
+    model, tok = load(args.model)
+    harness.start_section(args.out, TITLE, INTRO, [
+        harness.section_heading(MODULE, argv), "", harness.machine_line("cpu"), "",
+        *harness.table_header(COLUMNS)])
+    rows, notes = [], []
+    for b in args.batch_sizes:
+        row, why = run_row(model, tok, args.source, b, args.max_tokens, args.batches,
+                           args.first_seed, args.max_seconds)
+        rows.append(row)
+        notes += why
+        harness.append_lines(args.out, harness.table_row(row))
+        print(harness.table_row(row), flush=True)
+    if notes:
+        harness.append_lines(args.out, "", *notes)
+
+
+if __name__ == "__main__":
+    main()
