@@ -57,7 +57,7 @@ def test_token_filter_returns_the_tokens_at_loss_positions(family):
     grads = tt.fedsgd_gradients(model, truth)
     fam = family_of(model)
     span = _spans(fam, _validated(fam, grads))["attn0"]
-    found = filter_tokens(fam, span, tau=1e-4, deadline=None)
+    found = filter_tokens(fam, span, deadline=None)
     if fam.positional_inputs:
         for p, ids in enumerate(found.candidates):
             assert set(ids.tolist()) == {s[p] for s in truth if p < len(s) - 1}
@@ -187,8 +187,9 @@ def test_bad_input_is_named():
         grads["model.layers.1.self_attn.v_proj.weight"], float("nan"))
     with pytest.raises(ValueError, match="v_proj.weight holds NaN"):
         invert_text(model, bad)
-    with pytest.raises(ValueError, match="tau"):
-        invert_text(model, grads, tau=2.0)
+    with pytest.raises(ValueError, match="not a float"):
+        invert_text(model, {**grads, "model.layers.0.self_attn.q_proj.weight": torch.zeros(
+            grads["model.layers.0.self_attn.q_proj.weight"].shape, dtype=torch.long)})
     with pytest.raises(ValueError, match="map parameter names"):
         invert_text(model, [1, 2])
 

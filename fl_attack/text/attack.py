@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,8 +24,7 @@ from fl_attack.text.tokens import TokenFilter, filter_tokens
 
 def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: int | None = None,
                 max_seconds: float | None = 120.0, seed: int = 0,
-                device: str | torch.device | None = None, tau: float = 1e-4
-                ) -> TextReconstruction:
+                device: str | torch.device | None = None) -> TextReconstruction:
     """Recover the token sequences behind one FedSGD step of next-token fine-tuning.
 
     Parameters
@@ -46,8 +46,6 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
         Accepted for symmetry with :func:`fl_attack.invert`; the attack is deterministic.
     device
         Where to compute (default: the model's device). The model is copied there if needed.
-    tau
-        Largest relative distance to a span at which a token or prefix is kept.
 
     Returns
     -------
@@ -58,8 +56,7 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
     fl_attack.text.families.UnsupportedModel
         The model's family has no adapter.
     ValueError
-        A needed gradient is missing, has the wrong shape, or holds NaN/Inf; ``tau`` is not in
-        (0, 1).
+        A needed gradient is missing, has the wrong shape or dtype, or holds NaN/Inf.
 
     Examples
     --------
@@ -67,8 +64,6 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
     >>> [tokenizer.decode(ids) for ids in rec.token_ids]                           # doctest: +SKIP
     """
     del seed
-    if not 0.0 < tau < 1.0:
-        raise ValueError(f"tau must be in (0, 1), got {tau}")
     clock = Clock(max_seconds)
     if device is not None and next(model.parameters()).device != torch.device(device):
         import copy
@@ -76,11 +71,11 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
         model = copy.deepcopy(model).to(device)
     family = family_of(model)
     with _eval(model):
-        return _run(family, _validated(family, gradients), batch_size, clock, tau)
+        return _run(family, _validated(family, gradients), batch_size, clock)
 
 
-def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None, clock: Clock,
-         tau: float) -> TextReconstruction:
+def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None, clock: Clock
+         ) -> TextReconstruction:
     t0 = time.perf_counter()
     try:
         spans = _spans(family, grads)
@@ -89,12 +84,11 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
                                   family=family.name, seconds=clock.elapsed())
     clock.tick("spans", t0)
     t0 = time.perf_counter()
-    bag = filter_tokens(family, spans["attn0"], tau=tau, deadline=clock.deadline)
+    bag = filter_tokens(family, spans["attn0"], deadline=clock.deadline)
     clock.tick("tokens", t0)
     t0 = time.perf_counter()
     limit = (spans["attn1"] or spans["mlp"]).rank
-    growth = grow(family, bag.candidates, spans, tau=tau, max_prefixes=limit,
-                  deadline=clock.deadline)
+    growth = grow(family, bag.candidates, spans, max_prefixes=limit, deadline=clock.deadline)
     clock.tick("sequences", t0)
     leaves = [(list(map(int, row)), [tuple(map(float, d)) for d in dist])
               for leaf in growth.leaves for row, dist in zip(leaf.tokens.tolist(),
@@ -108,7 +102,7 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
         with _grad_on(weight):
             endings = read_endings(family.model, weight, grads[out_name], [t for t, _ in leaves])
     clock.tick("last_token", t0)
-    sequences = _sequences(leaves, endings)
+    sequences = _relative_counts(_sequences(leaves, endings), batch_size)
     rec = _verdict(family, grads, spans, bag, growth, sequences, endings, batch_size, clock)
     rec.seconds = clock.elapsed()
     return rec
@@ -125,6 +119,21 @@ def _sequences(leaves: list[tuple[list[int], list[tuple[float, float]]]],
         for (tok, count), coef in zip(labels, endings.coefficients[j], strict=True):
             out.append(SequenceEvidence(prefix + [tok], dist, tok, coef, count))
     return out
+
+
+def _relative_counts(sequences: list[SequenceEvidence], batch_size: int | None
+                     ) -> list[SequenceEvidence]:
+    """Counts divided by their common factor, then scaled to ``batch_size`` where it is a
+    multiple: the update's scale is unknown (learning rate, sum or mean), so repeating the
+    whole batch k times gives the same update and only the counts' ratios are read."""
+    common = math.gcd(*(s.count for s in sequences)) if sequences else 1
+    total = sum(s.count for s in sequences) // max(common, 1)
+    factor = batch_size // total if batch_size and total and batch_size % total == 0 else 1
+    for s in sequences:
+        s.count = s.count // common * factor
+        if s.last_coefficient is not None:
+            s.last_coefficient = s.last_coefficient / common * factor
+    return sequences
 
 
 def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Span | None],
@@ -184,7 +193,8 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
         family=family.name, ranks={k: s.rank for k, s in spans.items() if s is not None},
         margins={"tokens_accepted_max": bag.accepted_max, "tokens_rejected_min": bag.rejected_min,
                  "prefixes_accepted_max": growth.accepted_max,
-                 "prefixes_rejected_min": growth.rejected_min},
+                 "prefixes_rejected_min": growth.rejected_min,
+                 "prefixes_confirm_max": growth.confirm_max},
         residuals=residuals, timings=dict(clock.timings))
 
 
@@ -193,8 +203,8 @@ def _margin_faults(bag: TokenFilter, growth: Growth) -> list[str]:
     for what, acc, rej in (("tokens", bag.accepted_max, bag.rejected_min),
                            ("prefixes", growth.accepted_max, growth.rejected_min)):
         if acc * certify.MARGIN > rej:
-            out.append(f"the {what} kept ({acc:.2g}) and rejected ({rej:.2g}) lie less than "
-                       f"{certify.MARGIN:g}x apart from the span")
+            out.append(f"the {what} kept (score up to {acc:.2g}) and rejected (from "
+                       f"{rej:.2g}) lie less than {certify.MARGIN:g}x apart")
     return out
 
 
@@ -217,8 +227,10 @@ def _spans(family: Family, grads: dict[str, torch.Tensor]) -> dict[str, Span | N
         if not all(r.name in grads for r in readers):
             out[key] = None
             continue
-        rows = torch.cat([grads[r.name].T if r.transpose else grads[r.name] for r in readers])
-        out[key] = read_span(rows, what=f"block {block} {part} ({readers[0].name})")
+        mats = [grads[r.name].T if r.transpose else grads[r.name] for r in readers]
+        roundoff = max(float(torch.finfo(m.dtype).eps) / 2 for m in mats)
+        out[key] = read_span(torch.cat([m.double() for m in mats]), unit_roundoff=roundoff,
+                             what=f"block {block} {part} ({readers[0].name})")
     return out
 
 
@@ -229,7 +241,8 @@ def _read_names(family: Family, spans: dict[str, Span | None]) -> list[str]:
 
 
 def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The gradients the attack reads, as float tensors on the model's device, checked."""
+    """The gradients the attack reads, on the model's device in their own float dtype (its
+    rounding sets the spans' noise floor), checked."""
     if not isinstance(gradients, Mapping):
         raise ValueError(f"gradients must map parameter names to tensors, got "
                          f"{type(gradients).__name__}")
@@ -253,9 +266,11 @@ def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.
         if tuple(g.shape) != tuple(ref.shape):
             raise ValueError(f"gradient of {name} has shape {tuple(g.shape)}, the parameter "
                              f"{tuple(ref.shape)}")
+        if not g.is_floating_point():
+            raise ValueError(f"gradient of {name} has dtype {g.dtype}, not a float")
         if not torch.isfinite(g).all():
             raise ValueError(f"gradient of {name} holds NaN or Inf")
-        out[name] = g.detach().to(device=ref.device, dtype=torch.float32)
+        out[name] = g.detach().to(device=ref.device)
     return out
 
 

@@ -2,8 +2,9 @@
 
 A batch is certified when all of these hold (``docs/algorithm.md``, "The text certificate"):
 
-1. every token and every prefix was kept with a clear margin: the largest kept distance to its
-   span is at most ``MARGIN`` times smaller than the smallest rejected one;
+1. every token and every prefix was kept with a clear margin: the largest kept score (distance
+   to the span over the tilt rounding alone explains, ``span.Span.score``) is at most
+   ``MARGIN`` times smaller than the smallest rejected one;
 2. the spans are fully explained: each block's rank equals the number of distinct inputs the
    recovered batch puts there (no position of the update is left unread);
 3. every sentence has its last token, read with an integer coefficient;
@@ -23,8 +24,8 @@ from torch import nn
 
 from fl_attack.text.batch import logits_and_head_inputs, next_token_loss, padded
 
-#: Kept distances must sit this many times below the nearest rejected one.
-MARGIN = 100.0
+#: Kept scores must sit this many times below the nearest rejected one.
+MARGIN = 3.0
 #: Relative residual of the recomputed update, per parameter.
 RESIDUAL = 1e-3
 

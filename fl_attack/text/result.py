@@ -23,7 +23,9 @@ class SequenceEvidence:
     last_coefficient : float | None
         Its coefficient in the output layer's gradient (1.0 for one sentence, exactly read).
     count : int
-        How many sentences of the batch are this one (repeats cannot be told apart otherwise).
+        How many sentences of the batch are this one. Only the ratios of the counts are read:
+        the update's scale is unknown, so a batch repeated k times gives the same update;
+        counts are the smallest integers in those ratios (scaled to ``batch_size`` when given).
     """
 
     token_ids: list[int]

@@ -27,7 +27,7 @@ import torch
 
 from fl_attack.core.clock import passed
 from fl_attack.text.families import Family
-from fl_attack.text.span import Span
+from fl_attack.text.span import ACCEPT, Span
 
 #: Elements of one (prefixes × tokens × heads × keys) score block; bounds memory per chunk.
 CHUNK_ELEMENTS = 1 << 24
@@ -63,8 +63,11 @@ class Growth:
     leaves : list[Prefixes]
         Prefixes no candidate extended, one ``Prefixes`` per length.
     accepted_max, rejected_min : float
-        The largest distance of a kept extension and the smallest of a rejected one, over
-        every step and both checks (the margin the certificate asks for).
+        The largest score (:meth:`Span.score`) of a kept extension and the smallest of a
+        rejected one at the first check that ran (block 0's MLP input where given): the margin
+        the certificate asks for.
+    confirm_max : float
+        The largest score of a kept extension at block 1's check, when both ran.
     stopped : str
         ``"complete"``, ``"budget"`` or ``"ambiguous"`` (more prefixes kept at a position than
         the span holds vectors: the checks do not separate).
@@ -80,13 +83,14 @@ class Growth:
     leaves: list[Prefixes] = field(default_factory=list)
     accepted_max: float = 0.0
     rejected_min: float = float("inf")
+    confirm_max: float = 0.0
     stopped: str = "complete"
     positions: int = 0
     repeats: int = 0
 
 
 def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span | None], *,
-         tau: float, max_prefixes: int, deadline: float | None) -> Growth:
+         max_prefixes: int, deadline: float | None) -> Growth:
     """Assemble every sentence prefix the spans hold.
 
     Parameters
@@ -99,8 +103,6 @@ def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span |
     spans
         ``"mlp"``: block 0's MLP-input span, ``"attn1"``: block 1's attention-input span (either
         may be None, not both).
-    tau
-        Largest relative distance of a kept extension.
     max_prefixes
         The span's rank: stop as ``"ambiguous"`` when more prefixes are kept at one position,
         or a prefix grows longer, than the span holds vectors.
@@ -122,7 +124,7 @@ def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span |
             out.leaves.append(live)
             break
         cand = candidates[min(p, len(candidates) - 1)]
-        nxt, extended = _step(family, live, cand, p, spans, tau, out)
+        nxt, extended = _step(family, live, cand, p, spans, out)
         if (~extended).any():
             out.leaves.append(_take(live, ~extended))
         if nxt.tokens.shape[0] > max_prefixes:
@@ -141,8 +143,7 @@ def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span |
 
 @torch.no_grad()
 def _step(family: Family, live: Prefixes, cand: torch.Tensor, p: int,
-          spans: dict[str, Span | None], tau: float, out: Growth
-          ) -> tuple[Prefixes, torch.Tensor]:
+          spans: dict[str, Span | None], out: Growth) -> tuple[Prefixes, torch.Tensor]:
     """Extend every live prefix by every candidate token at position ``p``."""
     e = family.embeddings(cand, p)
     q, k, v = family.qkv(family.attn_input(0, e), p)
@@ -153,7 +154,7 @@ def _step(family: Family, live: Prefixes, cand: torch.Tensor, p: int,
     for lo in range(0, n_tok, step):
         sl = slice(lo, lo + step)
         h = _attend(family, live, q[sl], k[sl], v[sl], e[sl])  # (P, T, d)
-        flat, dist = _check(family, h.flatten(0, 1), spans, tau, out)
+        flat, dist = _check(family, h.flatten(0, 1), spans, out)
         kept_pre.append(flat // h.shape[1])
         kept_tok.append(flat % h.shape[1] + lo)
         kept_dist.append(dist)
@@ -193,30 +194,34 @@ def _attend(family: Family, live: Prefixes, q: torch.Tensor, k: torch.Tensor, v:
     return family.after_attention(e[None].expand(att.shape[0], -1, -1), att)
 
 
-def _check(family: Family, h: torch.Tensor, spans: dict[str, Span | None], tau: float,
-           out: Growth) -> tuple[torch.Tensor, torch.Tensor]:
+def _check(family: Family, h: torch.Tensor, spans: dict[str, Span | None], out: Growth
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices of the rows of ``h`` both checks keep, and their two distances."""
     idx = torch.arange(h.shape[0], device=h.device)
     dist = torch.full((h.shape[0], 2), float("nan"), dtype=torch.float64, device=h.device)
+    first = True
     if spans.get("mlp") is not None:
-        d = spans["mlp"].distance(family.mlp_input(h))
+        d, score = spans["mlp"].score(family.mlp_input(h))
         dist[:, 0] = d
-        _margin(out, d, tau)
-        idx = idx[d < tau]
+        _margin(out, score)
+        idx, first = idx[score < ACCEPT], False
     if spans.get("attn1") is not None and idx.numel():
-        d = spans["attn1"].distance(family.attn_input(1, family.after_mlp(h[idx])))
+        d, score = spans["attn1"].score(family.attn_input(1, family.after_mlp(h[idx])))
         dist[idx, 1] = d
-        _margin(out, d, tau)
-        idx = idx[d < tau]
+        if first:
+            _margin(out, score)
+        elif (score < ACCEPT).any():
+            out.confirm_max = max(out.confirm_max, float(score[score < ACCEPT].max()))
+        idx = idx[score < ACCEPT]
     return idx, dist[idx]
 
 
-def _margin(out: Growth, d: torch.Tensor, tau: float) -> None:
-    ok = d < tau
+def _margin(out: Growth, score: torch.Tensor) -> None:
+    ok = score < ACCEPT
     if ok.any():
-        out.accepted_max = max(out.accepted_max, float(d[ok].max()))
+        out.accepted_max = max(out.accepted_max, float(score[ok].max()))
     if (~ok).any():
-        out.rejected_min = min(out.rejected_min, float(d[~ok].min()))
+        out.rejected_min = min(out.rejected_min, float(score[~ok].min()))
 
 
 def _take(live: Prefixes, mask: torch.Tensor) -> Prefixes:

@@ -17,7 +17,7 @@ import torch
 
 from fl_attack.core.clock import passed
 from fl_attack.text.families import Family
-from fl_attack.text.span import Span
+from fl_attack.text.span import ACCEPT, Span
 
 #: Vocabulary rows normalised and projected per chunk.
 VOCAB_CHUNK = 8192
@@ -32,7 +32,7 @@ class TokenFilter:
     candidates : list[torch.Tensor]
         Token ids that may stand at each position; rotary models: one list, every position.
     accepted_max, rejected_min : float
-        Largest distance of a kept token and smallest of a rejected one.
+        Largest score (:meth:`Span.score`) of a kept token and smallest of a rejected one.
     stopped : str
         ``"complete"`` or ``"budget"``.
     """
@@ -44,7 +44,7 @@ class TokenFilter:
 
 
 @torch.no_grad()
-def filter_tokens(family: Family, span: Span, *, tau: float, deadline: float | None,
+def filter_tokens(family: Family, span: Span, *, deadline: float | None,
                   max_positions: int | None = None) -> TokenFilter:
     """Check every vocabulary token (at every position, for learned positions) against the span.
 
@@ -54,22 +54,20 @@ def filter_tokens(family: Family, span: Span, *, tau: float, deadline: float | N
         The model's adapter.
     span
         Block 0's attention-input span.
-    tau
-        Largest relative distance of a kept token.
     deadline
         ``time.perf_counter()`` value after which the filter stops as ``"budget"``.
     max_positions
         Learned positions only: the most positions checked (default: the model's).
     """
     if not family.positional_inputs:
-        ids, acc, rej = _scan(family, span, 0, tau)
+        ids, acc, rej = _scan(family, span, 0)
         return TokenFilter([ids], acc, rej)
     limit = max_positions or int(family.model.transformer.wpe.weight.shape[0])
     cands, acc, rej = [], 0.0, float("inf")
     for p in range(limit):
         if passed(deadline):
             return TokenFilter(cands, acc, rej, stopped="budget")
-        ids, a, r = _scan(family, span, p, tau)
+        ids, a, r = _scan(family, span, p)
         acc, rej = max(acc, a), min(rej, r)
         if ids.numel() == 0:
             break
@@ -77,15 +75,14 @@ def filter_tokens(family: Family, span: Span, *, tau: float, deadline: float | N
     return TokenFilter(cands, acc, rej)
 
 
-def _scan(family: Family, span: Span, position: int, tau: float
-          ) -> tuple[torch.Tensor, float, float]:
-    """Token ids within ``tau`` of the span at ``position``, and the margin seen."""
+def _scan(family: Family, span: Span, position: int) -> tuple[torch.Tensor, float, float]:
+    """Token ids whose score at ``position`` is below ``ACCEPT``, and the margin seen."""
     kept, acc, rej = [], 0.0, float("inf")
     device = family.embed.weight.device
     for lo in range(0, family.vocab_size, VOCAB_CHUNK):
         ids = torch.arange(lo, min(lo + VOCAB_CHUNK, family.vocab_size), device=device)
-        d = span.distance(family.attn_input(0, family.embeddings(ids, position)))
-        ok = d < tau
+        _, d = span.score(family.attn_input(0, family.embeddings(ids, position)))
+        ok = d < ACCEPT
         if ok.any():
             acc = max(acc, float(d[ok].max()))
             kept.append(ids[ok])
