@@ -34,8 +34,9 @@ TITLE = "The text attack (DAGER) on real sentences"
 INTRO = ("One FedSGD step of next-token fine-tuning per batch; the server reads the sentences "
          "back with `fl_attack.text.invert_text`. Produced by `python -m "
          "experiments.bench_text`.")
-COLUMNS = ("model", "source", "B", "max tokens", "batches", "ROUGE-1", "ROUGE-2", "exact %",
-           "token P / R", "certified %", "false certs", "median s", "max s")
+COLUMNS = ("model", "update", "source", "B", "max tokens", "batches", "ROUGE-1", "ROUGE-2", "exact %",
+           "token P / R", "certified %", "false certs", "median s", "max s",
+           "baseline ROUGE-1 / ROUGE-2 / exact %")
 
 
 def load(name: str):
@@ -51,13 +52,14 @@ def load(name: str):
 
 
 def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: int,
-            max_seconds: float | None) -> tuple[list[object], list[str]]:
+            max_seconds: float | None, baseline_seconds: float, update
+            ) -> tuple[list[object], list[str]]:
     """Attack ``count`` batches of ``b`` sentences; the summary row and per-batch notes."""
-    scores, secs, certs, false_certs, notes = [], [], 0, 0, []
+    scores, secs, certs, false_certs, notes, base = [], [], 0, 0, [], []
     for i, batch in enumerate(tt.batches(source, b, count, seed=seed, max_tokens=max_tokens,
                                          tokenizer=tok)):
         ids = [tok(s).input_ids for s in batch]
-        grads = tt.fedsgd_gradients(model, ids)
+        grads = update(model, ids, i)
         t0 = time.perf_counter()
         rec = invert_text(model, grads, max_seconds=max_seconds)
         secs.append(time.perf_counter() - t0)
@@ -69,13 +71,45 @@ def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: 
               f"cert {rec.certified} {secs[-1]:.1f}s {rec.timings}", flush=True)
         if not sc.batch_exact or not rec.certified:
             notes.append(f"- B = {b}, batch {i}: {rec.reason}")
+        if baseline_seconds > 0:
+            names = [n for n in rec.residuals if "layers.0" in n or ".h.0." in n]
+            guess = tt.gradient_matching(model, grads, [len(t) for t in ids], names=names,
+                                         max_seconds=baseline_seconds, seed=i)
+            base.append(tt.score_text(guess, ids, tok.decode))
     mean = lambda k: statistics.fmean(getattr(s, k) for s in scores)  # noqa: E731
-    row = [type(model).__name__, source, b, max_tokens, count, f"{mean('rouge1'):.3f}",
+    row = [type(model).__name__, update.label, source, b, max_tokens, count, f"{mean('rouge1'):.3f}",
            f"{mean('rouge2'):.3f}", f"{100 * mean('exact'):.0f}",
            f"{mean('token_precision'):.3f} / {mean('token_recall'):.3f}",
            f"{100 * certs / count:.0f}", false_certs, f"{statistics.median(secs):.1f}",
-           f"{max(secs):.1f}"]
+           f"{max(secs):.1f}", _baseline(base, baseline_seconds)]
     return row, notes
+
+
+def make_update(kind: str, steps: int, lr: float, minibatch: int | None, sigma: float,
+                clip: float):
+    """The client's update as a function of (model, token ids, batch index), with a label."""
+    if kind == "fedsgd":
+        def update(model, ids, i):
+            return tt.fedsgd_gradients(model, ids)
+        update.label = "FedSGD"
+    elif kind == "fedavg":
+        def update(model, ids, i):
+            return tt.fedavg_update(model, ids, steps=steps, lr=lr, minibatch=minibatch)
+        update.label = f"FedAvg E={steps} lr={lr:g}" + (f" mb={minibatch}" if minibatch else "")
+    else:
+        def update(model, ids, i):
+            return tt.dpsgd_gradients(model, ids, clip=clip, noise_multiplier=sigma, seed=i)
+        update.label = f"DP-SGD C={clip:g} σ={sigma:g}"
+    return update
+
+
+def _baseline(scores: list, seconds: float) -> str:
+    if not scores:
+        return "—"
+    r1 = statistics.fmean(s.rouge1 for s in scores)
+    r2 = statistics.fmean(s.rouge2 for s in scores)
+    ex = statistics.fmean(s.exact for s in scores)
+    return f"{r1:.3f} / {r2:.3f} / {100 * ex:.0f} ({seconds:g} s)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,18 +120,28 @@ def main(argv: list[str] | None = None) -> None:
                         default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="longest sentence, in the model's tokens")
+    parser.add_argument("--update", choices=("fedsgd", "fedavg", "dpsgd"), default="fedsgd")
+    parser.add_argument("--steps", type=int, default=2, help="FedAvg local steps")
+    parser.add_argument("--lr", type=float, default=1e-4, help="FedAvg learning rate")
+    parser.add_argument("--minibatch", type=int, default=None, help="FedAvg mini-batch size")
+    parser.add_argument("--sigma", type=float, default=1e-3, help="DP-SGD noise multiplier")
+    parser.add_argument("--clip", type=float, default=1.0, help="DP-SGD clipping norm")
+    parser.add_argument("--baseline-seconds", type=float, default=0.0,
+                        help="run the TAG-style gradient-matching baseline this long per batch "
+                             "on the same batches (0: not run)")
     harness.add_run_args(parser, RESULTS, batches=3, max_seconds=120.0)
     args = parser.parse_args(argv)
     harness.check_run_args(parser, args)
     torch.set_grad_enabled(True)
     model, tok = load(args.model)
+    update = make_update(args.update, args.steps, args.lr, args.minibatch, args.sigma, args.clip)
     harness.start_section(args.out, TITLE, INTRO, [
         harness.section_heading(MODULE, argv), "", harness.machine_line("cpu"), "",
         *harness.table_header(COLUMNS)])
     rows, notes = [], []
     for b in args.batch_sizes:
         row, why = run_row(model, tok, args.source, b, args.max_tokens, args.batches,
-                           args.first_seed, args.max_seconds)
+                           args.first_seed, args.max_seconds, args.baseline_seconds, update)
         rows.append(row)
         notes += why
         harness.append_lines(args.out, harness.table_row(row))

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import random
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,3 +228,101 @@ def score_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]
                      token_precision=common / max(1, sum(rc.values())),
                      token_recall=common / max(1, sum(tc.values())),
                      batch_exact=sorted(map(list, recovered)) == sorted(map(list, truth)))
+
+
+def gradient_matching(model: nn.Module, gradients: dict[str, torch.Tensor],
+                      lengths: Sequence[int], *, names: Sequence[str], max_seconds: float,
+                      seed: int = 0, lr: float = 0.01) -> list[list[int]]:
+    """The TAG-style baseline: optimise input embeddings until their update matches, then
+    take the nearest token at each position.
+
+    As TAG (Deng et al., 2021) does for language models, the sentences' lengths are given
+    (more than the exact attack needs), the dummy inputs are continuous embeddings and the
+    labels of the next-token loss are the softmax of the next position's embedding against the
+    vocabulary. The distance is ``1 − cosine`` summed over the parameters ``names``, minimised
+    with Adam until ``max_seconds`` have passed.
+
+    Returns
+    -------
+    list of list of int
+        One token list per sentence, of the given lengths.
+    """
+    emb = model.get_input_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    z = (torch.randn(len(lengths), n, emb.shape[1], generator=g) * emb.std()).requires_grad_()
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, k in enumerate(lengths):
+        mask[i, :k] = 1
+    params = dict(model.named_parameters())
+    targets = [gradients[k].double() for k in names]
+    opt = torch.optim.Adam([z], lr=lr)
+    stop = time.perf_counter() + max_seconds
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")       # SDPA has no double backward on the CPU
+    try:
+        _match(model, z, mask, emb, params, names, targets, opt, stop)
+    finally:
+        model.set_attn_implementation(before)
+    with torch.no_grad():
+        zn = torch.nn.functional.normalize(z.detach(), dim=-1)
+        near = (zn @ torch.nn.functional.normalize(emb, dim=-1).T).argmax(-1)
+    return [near[i, :k].tolist() for i, k in enumerate(lengths)]
+
+
+def _match(model: nn.Module, z: torch.Tensor, mask: torch.Tensor, emb: torch.Tensor,
+           params: dict, names: Sequence[str], targets: list[torch.Tensor],
+           opt: torch.optim.Optimizer, stop: float) -> None:
+    """Adam steps on ``z`` until ``stop`` (a ``time.perf_counter()`` value)."""
+    while time.perf_counter() < stop:
+        opt.zero_grad()
+        logits = model(inputs_embeds=z, attention_mask=mask).logits[:, :-1]
+        soft = torch.softmax(z[:, 1:] @ emb.T, dim=-1)
+        keep = mask[:, 1:].bool()
+        loss = -(soft[keep] * torch.log_softmax(logits[keep], -1)).sum(-1).mean()
+        grads = torch.autograd.grad(loss, [params[k] for k in names], create_graph=True)
+        dist = sum(1 - torch.nn.functional.cosine_similarity(a.flatten().double(),
+                                                             b.flatten(), dim=0)
+                   for a, b in zip(grads, targets, strict=True))
+        (gz,) = torch.autograd.grad(dist, [z])
+        z.grad = gz
+        opt.step()
+
+
+def fedavg_update(model: nn.Module, token_ids: Sequence[Sequence[int]], *, steps: int,
+                  lr: float, minibatch: int | None = None) -> dict[str, torch.Tensor]:
+    """A FedAvg client's update ``W₀ − W_E``: ``steps`` SGD steps of next-token loss on a copy
+    of ``model``, over the batch whole or in mini-batches of ``minibatch`` sentences (cycled)."""
+    import copy
+
+    local = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in local.named_parameters()}
+    opt = torch.optim.SGD(local.parameters(), lr=lr)
+    size = minibatch or len(token_ids)
+    for step in range(steps):
+        lo = (step * size) % len(token_ids)
+        part = [token_ids[(lo + j) % len(token_ids)] for j in range(size)]
+        grads = fedsgd_gradients(local, part)
+        opt.zero_grad()
+        for name, p in local.named_parameters():
+            p.grad = grads.get(name)
+        opt.step()
+    return {n: start[n] - p.detach() for n, p in local.named_parameters()}
+
+
+def dpsgd_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]], *, clip: float,
+                    noise_multiplier: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One DP-SGD step's noised gradient: each sentence's gradient clipped to ``clip`` (over
+    all parameters), summed, Gaussian noise of std ``noise_multiplier · clip`` added to every
+    entry, divided by the batch size (Abadi et al., 2016)."""
+    total: dict[str, torch.Tensor] = {}
+    for ids in token_ids:
+        g = fedsgd_gradients(model, [ids])
+        norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values()))
+        scale = min(1.0, clip / float(norm))
+        for n, v in g.items():
+            total[n] = total.get(n, 0) + v * scale
+    gen = torch.Generator().manual_seed(seed)
+    sigma = noise_multiplier * clip
+    return {n: (v + sigma * torch.randn(v.shape, generator=gen)) / len(token_ids)
+            for n, v in total.items()}
