@@ -56,7 +56,7 @@ def test_token_filter_returns_the_tokens_at_loss_positions(family):
     truth = _batch(2)
     grads = tt.fedsgd_gradients(model, truth)
     fam = family_of(model)
-    span = _spans(fam, _validated(fam, grads))["attn0"]
+    span = _spans(fam, _validated(fam, grads))[0]["attn0"]
     found = filter_tokens(fam, span, deadline=None)
     if fam.positional_inputs:
         for p, ids in enumerate(found.candidates):
@@ -173,7 +173,7 @@ def test_bad_input_is_named():
     model = tt.tiny_llama()
     grads = tt.fedsgd_gradients(model, _batch(11, count=2))
     with pytest.raises(ValueError, match="q_proj"):
-        invert_text(model, {k: v for k, v in grads.items() if "0.self_attn.q_proj" not in k})
+        invert_text(model, {k: v for k, v in grads.items() if "layers.0.self_attn" not in k})
     only_attn0 = {k: v for k, v in grads.items() if "layers.0.self_attn" in k}
     with pytest.raises(ValueError, match="orders the tokens"):
         invert_text(model, only_attn0)
@@ -207,3 +207,32 @@ def test_the_library_imports_without_transformers():
     code = ("import sys, fl_attack.text; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _lora(model, rank: int):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                      target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0))
+    g = torch.Generator().manual_seed(0)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:          # an adapter that has trained: B is no longer zero
+            p.data = 0.05 * torch.randn(p.shape, generator=g)
+    return lora
+
+
+def test_lora_below_its_rank_reads_the_prefixes_without_certifying():
+    truth = _batch(12, count=2, low=4, high=6)
+    lora = _lora(tt.tiny_llama(), rank=32)
+    rec = invert_text(lora, tt.fedsgd_gradients(lora, truth))
+    assert sorted(s.token_ids for s in rec.sequences) == sorted(t[:-1] for t in truth)
+    assert not rec.certified                      # the frozen output layer has no gradient
+    assert rec.not_carried
+
+
+def test_lora_at_its_rank_is_not_applicable():
+    truth = _batch(13, count=4, low=8, high=10)   # > 8 positions for an adapter of rank 8
+    lora = _lora(tt.tiny_llama(), rank=8)
+    rec = invert_text(lora, tt.fedsgd_gradients(lora, truth))
+    assert rec.stopped == "not-applicable" and not rec.certified
+    assert "rank 8" in rec.reason

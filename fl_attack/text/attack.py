@@ -14,7 +14,7 @@ from torch import nn
 from fl_attack.core.clock import Clock
 from fl_attack.errors import NotIdentifiable
 from fl_attack.text import certify
-from fl_attack.text.families import Family, family_of
+from fl_attack.text.families import Family, Reader, family_of
 from fl_attack.text.last_token import INTEGER_TOL, Endings, read_endings
 from fl_attack.text.result import SequenceEvidence, TextReconstruction
 from fl_attack.text.sequences import Growth, grow
@@ -78,10 +78,11 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
          ) -> TextReconstruction:
     t0 = time.perf_counter()
     try:
-        spans = _spans(family, grads)
+        spans, used = _spans(family, grads)
     except NotIdentifiable as err:
-        return TextReconstruction([], [], False, "not-identifiable", str(err),
-                                  family=family.name, seconds=clock.elapsed())
+        stopped = "not-applicable" if err.reason == "adapter-rank" else "not-identifiable"
+        return TextReconstruction([], [], False, stopped, str(err), family=family.name,
+                                  seconds=clock.elapsed())
     clock.tick("spans", t0)
     t0 = time.perf_counter()
     bag = filter_tokens(family, spans["attn0"], deadline=clock.deadline)
@@ -103,7 +104,8 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
             endings = read_endings(family.model, weight, grads[out_name], [t for t, _ in leaves])
     clock.tick("last_token", t0)
     sequences = _relative_counts(_sequences(leaves, endings), batch_size)
-    rec = _verdict(family, grads, spans, bag, growth, sequences, endings, batch_size, clock)
+    rec = _verdict(family, grads, spans, used, bag, growth, sequences, endings, batch_size,
+                   clock)
     rec.seconds = clock.elapsed()
     return rec
 
@@ -137,7 +139,7 @@ def _relative_counts(sequences: list[SequenceEvidence], batch_size: int | None
 
 
 def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Span | None],
-             bag: TokenFilter, growth: Growth, sequences: list[SequenceEvidence],
+             used: list[str], bag: TokenFilter, growth: Growth, sequences: list[SequenceEvidence],
              endings: Endings | None, batch_size: int | None, clock: Clock
              ) -> TextReconstruction:
     """Assemble the result, recompute the update and decide the certificate."""
@@ -171,7 +173,7 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
     residuals: dict[str, float] = {}
     t0 = time.perf_counter()
     if token_ids and all(len(t) > 1 for t in token_ids):
-        names = [n for n in _read_names(family, spans) if n in grads]
+        names = list(used)
         if out_name in grads:
             names.append(out_name)
         check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names})
@@ -220,24 +222,45 @@ def _rank_faults(family: Family, spans: dict[str, Span | None],
             for k, s in spans.items() if s is not None and s.rank != expected[k]]
 
 
-def _spans(family: Family, grads: dict[str, torch.Tensor]) -> dict[str, Span | None]:
+def _spans(family: Family, grads: dict[str, torch.Tensor]
+           ) -> tuple[dict[str, Span | None], list[str]]:
+    """The three spans (None where no reader's gradient was given) and the names read."""
     out: dict[str, Span | None] = {}
+    used: list[str] = []
     for key, block, part in (("attn0", 0, "attn"), ("mlp", 0, "mlp"), ("attn1", 1, "attn")):
-        readers = family.readers(block, part)
-        if not all(r.name in grads for r in readers):
+        found = [r for r in (_rows(x, grads) for x in family.readers(block, part)) if r]
+        if not found:
             out[key] = None
             continue
-        mats = [grads[r.name].T if r.transpose else grads[r.name] for r in readers]
-        roundoff = max(float(torch.finfo(m.dtype).eps) / 2 for m in mats)
-        out[key] = read_span(torch.cat([m.double() for m in mats]), unit_roundoff=roundoff,
-                             what=f"block {block} {part} ({readers[0].name})")
-    return out
+        what = f"block {block} {part} ({found[0][0]})"
+        for name, mat, rank in found:
+            if rank and read_span(mat.double(), what=what, unit_roundoff=_roundoff(mat)
+                                  ).rank >= rank:
+                raise NotIdentifiable(
+                    f"not applicable: the LoRA adapter {name} has rank {rank}, and its gradient "
+                    f"uses all {rank} directions: an adapter of rank {rank} cannot show more "
+                    f"token positions than {rank}, so its span proves nothing about the tokens",
+                    reason="adapter-rank", rank=rank, limit=rank)
+        used += [name for name, _, _ in found]
+        out[key] = read_span(torch.cat([m.double() for _, m, _ in found]), what=what,
+                             unit_roundoff=max(_roundoff(m) for _, m, _ in found))
+    return out, used
 
 
-def _read_names(family: Family, spans: dict[str, Span | None]) -> list[str]:
-    parts = {"attn0": (0, "attn"), "mlp": (0, "mlp"), "attn1": (1, "attn")}
-    return [r.name for k, s in spans.items() if s is not None
-            for r in family.readers(*parts[k])]
+def _rows(reader: Reader, grads: dict[str, torch.Tensor]
+          ) -> tuple[str, torch.Tensor, int] | None:
+    """The reader's gradient rows (the base weight's, else its LoRA adapter's) and the
+    adapter's rank (0 for a base weight)."""
+    if reader.name in grads:
+        g = grads[reader.name]
+        return reader.name, g.T if reader.transpose else g, 0
+    if reader.adapter is not None and reader.adapter in grads:
+        return reader.adapter, grads[reader.adapter], reader.adapter_rank
+    return None
+
+
+def _roundoff(m: torch.Tensor) -> float:
+    return float(torch.finfo(m.dtype).eps) / 2
 
 
 def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -247,12 +270,15 @@ def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.
         raise ValueError(f"gradients must map parameter names to tensors, got "
                          f"{type(gradients).__name__}")
     params = dict(family.model.named_parameters())
-    need = [r.name for r in family.readers(0, "attn")]
-    later = [r.name for r in family.readers(0, "mlp") + family.readers(1, "attn")]
+
+    def names(readers: list[Reader]) -> list[str]:
+        return [n for r in readers for n in (r.name, r.adapter) if n is not None]
+
+    need = names(family.readers(0, "attn"))
+    later = names(family.readers(0, "mlp") + family.readers(1, "attn"))
     wanted = need + later + [family.output_weight()]
-    missing = [n for n in need if n not in gradients]
-    if missing:
-        raise ValueError(f"gradients lack {', '.join(missing)}: block 0's attention projections "
+    if not any(n in gradients for n in need):
+        raise ValueError(f"gradients lack {', '.join(need)}: block 0's attention projections "
                          "give the token filter")
     if not any(n in gradients for n in later):
         raise ValueError(f"gradients lack block 0's MLP and block 1's attention projections "

@@ -39,10 +39,18 @@ class Reader:
         Its name in the caller's ``model.named_parameters()``.
     transpose : bool
         True for ``Conv1D`` weights (in, out): the rows are the gradient's transpose.
+    adapter : str | None
+        For a projection wrapped by a PEFT LoRA adapter: the name of its ``lora_A`` weight
+        (r, in), whose gradient ``(Bᵀ ∂L/∂Y)ᵀ X`` spans the same inputs while fewer than r
+        positions carry a gradient. Read when the base weight's gradient is absent (frozen).
+    adapter_rank : int
+        r, the adapter's rank (0 without an adapter).
     """
 
     name: str
     transpose: bool
+    adapter: str | None = None
+    adapter_rank: int = 0
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +73,8 @@ class Family:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        #: The transformer itself (a PEFT model's base model): where the modules are found.
+        self.root = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.embed: nn.Embedding = self._embedding()
         self.blocks = self._blocks()
@@ -79,13 +89,22 @@ class Family:
         """The parameter's name in the caller's model."""
         return self._names[id(param)]
 
+    def reader(self, module: nn.Module, transpose: bool = False) -> Reader:
+        """The reader of a projection, with its LoRA adapter where PEFT wrapped it."""
+        lora = getattr(module, "lora_A", None)
+        if isinstance(lora, nn.ModuleDict) and len(lora) == 1:
+            a = next(iter(lora.values())).weight
+            return Reader(self.name_of(module.weight), transpose, self.name_of(a),
+                          int(a.shape[0]))
+        return Reader(self.name_of(module.weight), transpose)
+
     def readers(self, block: int, part: str) -> list[Reader]:
         """Parameters whose gradients span ``part`` (``"attn"`` or ``"mlp"``) of ``block``."""
         raise NotImplementedError
 
     def output_weight(self) -> str:
         """The name of the output layer's weight (the tied embedding where tied)."""
-        head = self.model.get_output_embeddings()
+        head = self.root.get_output_embeddings()
         if head is None:
             raise UnsupportedModel(f"{type(self.model).__name__} has no output layer")
         return self.name_of(head.weight)
@@ -128,7 +147,7 @@ class Family:
 
     # -- private ----------------------------------------------------------------------
     def _embedding(self) -> nn.Embedding:
-        return self.model.get_input_embeddings()
+        return self.root.get_input_embeddings()
 
     def _blocks(self) -> nn.ModuleList:
         raise NotImplementedError
@@ -141,13 +160,13 @@ class Rotary(Family):
     name = "rotary"
 
     def _blocks(self) -> nn.ModuleList:
-        return self.model.model.layers
+        return self.root.model.layers
 
     def readers(self, block: int, part: str) -> list[Reader]:
         b = self.blocks[block]
         mods = ([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj] if part == "attn"
                 else [b.mlp.gate_proj, b.mlp.up_proj])
-        return [Reader(self.name_of(m.weight), False) for m in mods]
+        return [self.reader(m) for m in mods]
 
     def attn_input(self, block: int, h: torch.Tensor) -> torch.Tensor:
         return self.blocks[block].input_layernorm(h)
@@ -159,7 +178,7 @@ class Rotary(Family):
         k = attn.k_proj(x).unflatten(-1, (-1, hd))
         v = attn.v_proj(x).unflatten(-1, (-1, hd))
         pos = torch.tensor([[position]], device=x.device)
-        cos, sin = self.model.model.rotary_emb(x[:1], pos)
+        cos, sin = self.root.model.rotary_emb(x[:1], pos)
         cos, sin = cos[0, 0].to(x.dtype), sin[0, 0].to(x.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -178,7 +197,7 @@ class Rotary(Family):
 
     @property
     def groups(self) -> int:
-        cfg = self.model.config
+        cfg = self.root.config
         return int(cfg.num_attention_heads // getattr(cfg, "num_key_value_heads",
                                                       cfg.num_attention_heads))
 
@@ -191,15 +210,14 @@ class Learned(Family):
     positional_inputs = True
 
     def _blocks(self) -> nn.ModuleList:
-        return self.model.transformer.h
+        return self.root.transformer.h
 
     def readers(self, block: int, part: str) -> list[Reader]:
         b = self.blocks[block]
-        mod = b.attn.c_attn if part == "attn" else b.mlp.c_fc
-        return [Reader(self.name_of(mod.weight), True)]
+        return [self.reader(b.attn.c_attn if part == "attn" else b.mlp.c_fc, transpose=True)]
 
     def embeddings(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        return self.embed.weight[tokens] + self.model.transformer.wpe.weight[position]
+        return self.embed.weight[tokens] + self.root.transformer.wpe.weight[position]
 
     def attn_input(self, block: int, h: torch.Tensor) -> torch.Tensor:
         return self.blocks[block].ln_1(h)

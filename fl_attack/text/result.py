@@ -51,7 +51,8 @@ class TextReconstruction:
         certificate"): every token of every sentence, the last included, is the client's.
     stopped : str
         ``"complete"``, ``"budget"``, ``"ambiguous"`` (the span checks did not separate),
-        ``"not-identifiable"`` (as many positions as the width, or no signal).
+        ``"not-identifiable"`` (as many positions as the width, or no signal),
+        ``"not-applicable"`` (a LoRA adapter whose rank the batch's positions reach).
     reason : str
         The verdict in words: what was read and, where not certified, why.
     not_carried : list[str]
