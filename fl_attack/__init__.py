@@ -13,6 +13,8 @@ update cannot be inverted (``errors``). Behind it:
 ``fl_attack.model``        state dicts and models around the attacked layer: the update pair
                            ``W0 - W_E``, the forward pass up to the layer
 ``fl_attack.pixels``       pictures behind a later layer's exact input features (SPEAR §6.4)
+``fl_attack.text``         the text attack (DAGER): sentences behind a transformer's update,
+                           ``fl_attack.text.invert_text``
 ``fl_attack.testbed``      data, models, local training and scores for experiments and tests
                            (the attack never imports it)
 =========================  ====================================================================

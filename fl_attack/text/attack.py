@@ -144,46 +144,23 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
              ) -> TextReconstruction:
     """Assemble the result, recompute the update and decide the certificate."""
     token_ids = [s.token_ids for s in sequences for _ in range(s.count)]
-    not_carried, unproven = [], []
     out_name = family.output_weight()
-    if endings is None and sequences:
-        not_carried.append(
-            "the last token of each sentence: under next-token loss it reaches no span and is "
-            f"only the label of the position before, and the update has no gradient for "
-            f"{out_name}")
-    stopped = "complete"
-    if bag.stopped == "budget" or growth.stopped == "budget":
-        stopped = "budget"
-        unproven.append("the time budget ended the search")
-    elif growth.stopped == "ambiguous":
-        stopped = "ambiguous"
-        unproven.append("more prefixes passed the span checks at one position than the span "
-                        "holds vectors: the checks do not separate (noise?)")
-    unproven += _margin_faults(bag, growth)
-    unproven += _rank_faults(family, spans, sequences)
-    missing = sum(s.last_token is None for s in sequences)
-    if missing:
-        unproven.append(f"{missing} sentence(s) without their last token")
-    off = [c for s in sequences if s.last_coefficient is not None
-           for c in [s.last_coefficient / s.count] if abs(c - 1.0) > INTEGER_TOL]
-    if off:
-        unproven.append(f"{len(off)} last token(s) read with a coefficient far from an integer")
-    if batch_size is not None and len(token_ids) != batch_size:
-        unproven.append(f"{len(token_ids)} sentences read, batch_size={batch_size} given")
-    residuals: dict[str, float] = {}
+    not_carried = [] if endings is not None or not sequences else [
+        "the last token of each sentence: under next-token loss it reaches no span and is "
+        f"only the label of the position before, and the update has no gradient for {out_name}"]
+    stopped, unproven = _stop_state(bag, growth)
+    unproven += _margin_faults(bag, growth) + _rank_faults(family, spans, sequences)
+    unproven += _ending_faults(sequences, len(token_ids), batch_size)
     t0 = time.perf_counter()
+    residuals: dict[str, float] = {}
     if token_ids and all(len(t) > 1 for t in token_ids):
-        names = list(used)
-        if out_name in grads:
-            names.append(out_name)
+        names = used + ([out_name] if out_name in grads else [])
         check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names})
         residuals = check.residuals
         if check.worst > certify.RESIDUAL:
             unproven.append(f"the recovered batch reproduces the update only to "
                             f"{check.worst:.2g} relative error (needs < {certify.RESIDUAL:g})")
     clock.tick("certify", t0)
-    if not token_ids:
-        unproven.append("no sentence was read")
     certified = not unproven and not not_carried
     n = len(token_ids)
     reason = (f"read {n} sentence(s) exactly (certified): every token passed the span checks "
@@ -198,6 +175,34 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
                  "prefixes_rejected_min": growth.rejected_min,
                  "prefixes_confirm_max": growth.confirm_max},
         residuals=residuals, timings=dict(clock.timings))
+
+
+def _stop_state(bag: TokenFilter, growth: Growth) -> tuple[str, list[str]]:
+    """How the search ended, and the fault that is when it did not end on its own."""
+    if bag.stopped == "budget" or growth.stopped == "budget":
+        return "budget", ["the time budget ended the search"]
+    if growth.stopped == "ambiguous":
+        return "ambiguous", ["more prefixes passed the span checks at one position than the "
+                             "span holds vectors: the checks do not separate (noise?)"]
+    return "complete", []
+
+
+def _ending_faults(sequences: list[SequenceEvidence], count: int, batch_size: int | None
+                   ) -> list[str]:
+    """Sentences without a last token or with one read off an integer, a wrong count."""
+    out = []
+    if not count:
+        out.append("no sentence was read")
+    missing = sum(s.last_token is None for s in sequences)
+    if missing:
+        out.append(f"{missing} sentence(s) without their last token")
+    off = [s for s in sequences if s.last_coefficient is not None
+           and abs(s.last_coefficient / s.count - 1.0) > INTEGER_TOL]
+    if off:
+        out.append(f"{len(off)} last token(s) read with a coefficient far from an integer")
+    if batch_size is not None and count != batch_size:
+        out.append(f"{count} sentences read, batch_size={batch_size} given")
+    return out
 
 
 def _margin_faults(bag: TokenFilter, growth: Growth) -> list[str]:
