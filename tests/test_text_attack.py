@@ -236,3 +236,14 @@ def test_lora_at_its_rank_is_not_applicable():
     rec = invert_text(lora, tt.fedsgd_gradients(lora, truth))
     assert rec.stopped == "not-applicable" and not rec.certified
     assert "rank 8" in rec.reason
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_a_sentence_that_ends_inside_another_is_read(family):
+    model = MODELS[family]()
+    truth = _batch(14, count=3)
+    truth.append(truth[0][:3])                   # ends where another sentence goes on
+    rec = invert_text(model, tt.fedsgd_gradients(model, truth))
+    assert _exact(rec, truth), rec.reason
+    assert rec.certified
+

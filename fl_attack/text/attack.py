@@ -96,27 +96,45 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
                                                              leaf.distances.tolist(),
                                                              strict=True)]
     t0 = time.perf_counter()
+    nodes = _with_inner(leaves)
     out_name = family.output_weight()
     endings = None
     if out_name in grads and leaves:
         weight = dict(family.model.named_parameters())[out_name]
         with _grad_on(weight):
-            endings = read_endings(family.model, weight, grads[out_name], [t for t, _ in leaves])
+            endings = read_endings(family.model, weight, grads[out_name],
+                                   [t for t, _ in nodes], len(leaves))
     clock.tick("last_token", t0)
-    sequences = _relative_counts(_sequences(leaves, endings), batch_size)
+    sequences = _relative_counts(_sequences(nodes, len(leaves), endings), batch_size)
     rec = _verdict(family, grads, spans, used, bag, growth, sequences, endings, batch_size,
                    clock)
     rec.seconds = clock.elapsed()
     return rec
 
 
-def _sequences(leaves: list[tuple[list[int], list[tuple[float, float]]]],
+def _with_inner(leaves: list[tuple[list[int], list[tuple[float, float]]]]
+                ) -> list[tuple[list[int], list[tuple[float, float]]]]:
+    """The leaves, then every shorter prefix of them (where a sentence may end too)."""
+    seen = {tuple(t) for t, _ in leaves}
+    inner = []
+    for tokens, dist in leaves:
+        for k in range(1, len(tokens)):
+            if tuple(tokens[:k]) not in seen:
+                seen.add(tuple(tokens[:k]))
+                inner.append((tokens[:k], dist[:k]))
+    return leaves + inner
+
+
+def _sequences(nodes: list[tuple[list[int], list[tuple[float, float]]]], leaves: int,
                endings: Endings | None) -> list[SequenceEvidence]:
+    """Sentences: each prefix with each token read after it; a leaf with none read is kept
+    without its last token (an inner prefix with none ends no sentence)."""
     out = []
-    for j, (prefix, dist) in enumerate(leaves):
+    for j, (prefix, dist) in enumerate(nodes):
         labels = endings.labels[j] if endings else []
         if not labels:
-            out.append(SequenceEvidence(prefix, dist, None, None))
+            if j < leaves:
+                out.append(SequenceEvidence(prefix, dist, None, None))
             continue
         for (tok, count), coef in zip(labels, endings.coefficients[j], strict=True):
             out.append(SequenceEvidence(prefix + [tok], dist, tok, coef, count))
@@ -217,14 +235,17 @@ def _margin_faults(bag: TokenFilter, growth: Growth) -> list[str]:
 
 def _rank_faults(family: Family, spans: dict[str, Span | None],
                  sequences: list[SequenceEvidence]) -> list[str]:
-    """Spans whose rank differs from the distinct inputs the recovered batch puts there."""
+    """Spans with more directions than the recovered batch has distinct inputs there: some
+    position of the update was not read. (Fewer is allowed: near-dependent inputs, such as one
+    token at several learned positions of a fresh GPT-2, share directions below the rounding;
+    the recomputed update judges those.)"""
     prefixes = {tuple(s.token_ids[: len(s.span_distances)]) for s in sequences}
     nodes = {p[:i] for p in prefixes for i in range(1, len(p) + 1)}
     inputs = ({(n[-1], len(n) - 1) for n in nodes} if family.positional_inputs
               else {n[-1] for n in nodes})
     expected = {"attn0": len(inputs), "mlp": len(nodes), "attn1": len(nodes)}
     return [f"{k}: the span has rank {s.rank}, the recovered batch explains {expected[k]}"
-            for k, s in spans.items() if s is not None and s.rank != expected[k]]
+            for k, s in spans.items() if s is not None and s.rank > expected[k]]
 
 
 def _spans(family: Family, grads: dict[str, torch.Tensor]

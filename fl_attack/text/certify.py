@@ -5,8 +5,8 @@ A batch is certified when all of these hold (``docs/algorithm.md``, "The text ce
 1. every token and every prefix was kept with a clear margin: the largest kept score (distance
    to the span over the tilt rounding alone explains, ``span.Span.score``) is at most
    ``MARGIN`` times smaller than the smallest rejected one;
-2. the spans are fully explained: each block's rank equals the number of distinct inputs the
-   recovered batch puts there (no position of the update is left unread);
+2. the spans are fully explained: no span has more directions than the recovered batch has
+   distinct inputs there (no position of the update is left unread);
 3. every sentence has its last token, read with an integer coefficient;
 4. the gradient of the mean next-token loss on the recovered batch, computed by the server from
    the model it sent, equals the update on every parameter read, up to one common scale, to

@@ -48,13 +48,13 @@ class Endings:
 
 
 def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
-                 prefixes: list[list[int]], *, rounds: int = 4) -> Endings:
+                 prefixes: list[list[int]], leaves: int, *, rounds: int = 4) -> Endings:
     """Read the tokens that follow each prefix from the output weight's gradient.
 
-    The first reading assumes one sentence per prefix and an unknown label; each later one
-    recomputes the update with the labels read so far (so the known part includes their
-    input-side gradients, which tied embeddings mix into the same rows) and reads what is
-    left, until two readings agree or ``rounds`` are spent.
+    The first reading assumes one sentence per leaf with an unknown label and reads the leaves
+    only; each later one recomputes the update with the labels read so far (so the known part
+    includes their input-side gradients, which tied embeddings mix into the same rows) and
+    reads what is left at every prefix, until two readings agree or ``rounds`` are spent.
 
     Parameters
     ----------
@@ -65,45 +65,60 @@ def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
     observed
         Its gradient (or update), (V, d).
     prefixes
-        Each sentence's tokens but its last.
+        The prefixes a sentence may end after: first the ``leaves`` (no kept extension: a
+        sentence surely ends there), then every shorter prefix of them (a sentence may end
+        there too, e.g. "thank you" beside "thank you very much").
+    leaves
+        How many of ``prefixes`` are leaves.
     rounds
         The most readings.
     """
     guess: list[list[tuple[int, int]]] | None = None
     for _ in range(rounds):
-        found = _read(model, weight, observed, prefixes, guess, first=guess is None)
+        found = _read(model, weight, observed, prefixes, leaves, guess, first=guess is None)
         if found.labels == guess:
             break
         guess = found.labels
+    return _whole_inner_ends(found, leaves)
+
+
+def _whole_inner_ends(found: Endings, leaves: int) -> Endings:
+    """Inner ends kept only where their last reading is a whole count of sentences: a reading
+    that has not settled (left padding's unmodelled labels, noise) leaves none there."""
+    for j in range(leaves, len(found.labels)):
+        keep = [i for i, c in enumerate(found.coefficients[j])
+                if abs(c - round(c)) <= INTEGER_TOL]
+        found.labels[j] = [found.labels[j][i] for i in keep]
+        found.coefficients[j] = [found.coefficients[j][i] for i in keep]
     return found
 
 
 def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
-          prefixes: list[list[int]], guess: list[list[tuple[int, int]]] | None, *,
-          first: bool) -> Endings:
-    """One reading: the coefficients of ``R = −N (G / α − G_known)`` in the prefixes' ends."""
-    rows_of: list[list[int]] = []
-    batch, open_end = [], []
+          prefixes: list[list[int]], leaves: int, guess: list[list[tuple[int, int]]] | None,
+          *, first: bool) -> Endings:
+    """One reading: the coefficients of ``R = −N (G / α − G_known)`` in the prefixes' ends.
+
+    The batch recomputed holds each guessed sentence, and each leaf without a guess with an
+    open end; an inner prefix needs no row of its own, its ``h`` is a leaf's at its length.
+    """
+    batch, open_end, ends = [], [], []
     for j, prefix in enumerate(prefixes):
-        labels = (guess[j] if guess else None) or [(None, 1)]
-        rows_of.append([])
+        labels = (guess[j] if guess else None) or ([(None, 1)] if j < leaves else [])
         for tok, count in labels:
             for _ in range(count):
-                rows_of[j].append(len(batch))
                 batch.append(prefix + ([] if tok is None else [tok]))
                 open_end.append(tok is None)
+                ends.append(len(prefix) - 1)
     device = weight.device
     ids, mask = padded(batch, device)
-    ends = torch.as_tensor([len(prefixes[j]) - 1 for j, rs in enumerate(rows_of) for _ in rs],
-                           device=device)
-    is_open = torch.as_tensor(open_end, device=device)
+    ends_t = torch.as_tensor(ends, device=device)
     with torch.enable_grad():
         logits, heads = logits_and_head_inputs(model, ids, mask)
-        loss, n = next_token_loss(logits, ids, mask,
-                                  open_ends=torch.where(is_open, ends, -1))
+        loss, n = next_token_loss(logits, ids, mask, open_ends=torch.where(
+            torch.as_tensor(open_end, device=device), ends_t, -1))
         (known,) = torch.autograd.grad(loss, [weight])
-    h = heads[torch.as_tensor([rs[0] for rs in rows_of], device=device),
-              torch.as_tensor([len(p) - 1 for p in prefixes], device=device)].detach().double()
+    cols = leaves if first else len(prefixes)      # inner ends once the leaves' are known
+    h = _head_inputs(heads.detach(), batch, prefixes[:cols]).double()
     obs, known = observed.double(), known.double()
     alpha = _fit_scale(obs, known, skip=len(prefixes) * 2)
     coef = -n * (obs / alpha - known) @ torch.linalg.pinv(h)           # (V, prefixes)
@@ -111,14 +126,25 @@ def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
         for j, labels in enumerate(guess):
             for tok, count in labels:
                 coef[tok, j] += count
-    labels, values = [], []
-    for j in range(len(prefixes)):
+    labels, values = [[] for _ in prefixes], [[] for _ in prefixes]
+    for j in range(cols):
         col = coef[:, j]
         top = torch.nonzero(col > 0.5).flatten()
         top = top[torch.argsort(col[top], descending=True)][: 1 if first else 8]
-        labels.append([(int(v), max(1, round(float(col[v])))) for v in top])
-        values.append([float(col[v]) for v in top])
+        labels[j] = [(int(v), max(1, round(float(col[v])))) for v in top]
+        values[j] = [float(col[v]) for v in top]
     return Endings(labels, values, alpha)
+
+
+def _head_inputs(heads: torch.Tensor, batch: list[list[int]], prefixes: list[list[int]]
+                 ) -> torch.Tensor:
+    """The output layer's input after each prefix, taken from a batch row that starts with it
+    (causal attention: the same prefix gives the same hidden states)."""
+    rows = []
+    for prefix in prefixes:
+        i = next(i for i, s in enumerate(batch) if s[: len(prefix)] == prefix)
+        rows.append(heads[i, len(prefix) - 1])
+    return torch.stack(rows)
 
 
 def _fit_scale(obs: torch.Tensor, known: torch.Tensor, *, skip: int) -> float:
