@@ -59,9 +59,10 @@ def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: 
     for i, batch in enumerate(tt.batches(source, b, count, seed=seed, max_tokens=max_tokens,
                                          tokenizer=tok)):
         ids = [tok(s).input_ids for s in batch]
-        grads = update(model, ids, i)
+        client = getattr(update, "model", None) or model
+        grads = update(client, ids, i)
         t0 = time.perf_counter()
-        rec = invert_text(model, grads, max_seconds=max_seconds)
+        rec = invert_text(client, grads, max_seconds=max_seconds)
         secs.append(time.perf_counter() - t0)
         sc = tt.score_text(rec.token_ids, ids, tok.decode)
         scores.append(sc)
@@ -86,7 +87,7 @@ def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: 
 
 
 def make_update(kind: str, steps: int, lr: float, minibatch: int | None, sigma: float,
-                clip: float):
+                clip: float, rank: int = 8):
     """The client's update as a function of (model, token ids, batch index), with a label."""
     if kind == "fedsgd":
         def update(model, ids, i):
@@ -96,10 +97,14 @@ def make_update(kind: str, steps: int, lr: float, minibatch: int | None, sigma: 
         def update(model, ids, i):
             return tt.fedavg_update(model, ids, steps=steps, lr=lr, minibatch=minibatch)
         update.label = f"FedAvg E={steps} lr={lr:g}" + (f" mb={minibatch}" if minibatch else "")
-    else:
+    elif kind == "dpsgd":
         def update(model, ids, i):
             return tt.dpsgd_gradients(model, ids, clip=clip, noise_multiplier=sigma, seed=i)
         update.label = f"DP-SGD C={clip:g} σ={sigma:g}"
+    else:
+        def update(model, ids, i):
+            return tt.fedsgd_gradients(model, ids)
+        update.label = f"LoRA r={rank} (q, v), FedSGD"
     return update
 
 
@@ -120,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                         default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="longest sentence, in the model's tokens")
-    parser.add_argument("--update", choices=("fedsgd", "fedavg", "dpsgd"), default="fedsgd")
+    parser.add_argument("--update", choices=("fedsgd", "fedavg", "dpsgd", "lora"),
+                        default="fedsgd")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA adapter rank")
     parser.add_argument("--steps", type=int, default=2, help="FedAvg local steps")
     parser.add_argument("--lr", type=float, default=1e-4, help="FedAvg learning rate")
     parser.add_argument("--minibatch", type=int, default=None, help="FedAvg mini-batch size")
@@ -134,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     harness.check_run_args(parser, args)
     torch.set_grad_enabled(True)
     model, tok = load(args.model)
-    update = make_update(args.update, args.steps, args.lr, args.minibatch, args.sigma, args.clip)
+    update = make_update(args.update, args.steps, args.lr, args.minibatch, args.sigma, args.clip,
+                         args.rank)
+    if args.update == "lora":
+        update.model = tt.with_lora(model, args.rank)
     harness.start_section(args.out, TITLE, INTRO, [
         harness.section_heading(MODULE, argv), "", harness.machine_line("cpu"), "",
         *harness.table_header(COLUMNS)])

@@ -210,15 +210,8 @@ def test_the_library_imports_without_transformers():
 
 
 def _lora(model, rank: int):
-    peft = pytest.importorskip("peft")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
-                                                      target_modules=["q_proj", "v_proj"],
-                                                      lora_dropout=0.0))
-    g = torch.Generator().manual_seed(0)
-    for name, p in lora.named_parameters():
-        if "lora_B" in name:          # an adapter that has trained: B is no longer zero
-            p.data = 0.05 * torch.randn(p.shape, generator=g)
-    return lora
+    pytest.importorskip("peft")
+    return tt.with_lora(model, rank)
 
 
 def test_lora_below_its_rank_reads_the_prefixes_without_certifying():

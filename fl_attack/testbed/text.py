@@ -326,3 +326,24 @@ def dpsgd_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]], *, cli
     sigma = noise_multiplier * clip
     return {n: (v + sigma * torch.randn(v.shape, generator=gen)) / len(token_ids)
             for n, v in total.items()}
+
+
+def with_lora(model: nn.Module, rank: int, *, seed: int = 0,
+              targets: Sequence[str] = ("q_proj", "v_proj")) -> nn.Module:
+    """``model`` wrapped in PEFT LoRA adapters of rank ``rank`` on ``targets`` (PEFT's default
+    for LLaMA), as Flower's LLM fine-tuning examples use it, with ``lora_B`` drawn small and
+    non-zero: an adapter that has trained (a fresh one has ``B = 0``, and its first step gives
+    ``lora_A`` no gradient at all)."""
+    _need("peft")
+    import copy
+
+    import peft
+
+    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.01 * torch.randn(p.shape, generator=g))
+    return lora.eval()
