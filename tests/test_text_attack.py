@@ -240,3 +240,16 @@ def test_a_sentence_that_ends_inside_another_is_read(family):
     assert _exact(rec, truth), rec.reason
     assert rec.certified
 
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_bos_eos_and_repeated_tokens_inside_sentences(family):
+    # Every sentence starts with the same BOS and ends with EOS, as chat-style fine-tuning
+    # data does; tokens recur inside and across sentences.
+    model = MODELS[family]()
+    bos, eos = 1, 2
+    body = _batch(16, count=4)
+    truth = [[bos, *b[:2], *b[:2], *b[2:], eos] for b in body]
+    rec = invert_text(model, tt.fedsgd_gradients(model, truth))
+    assert _exact(rec, truth), rec.reason
+    assert rec.certified
