@@ -253,3 +253,13 @@ def test_bos_eos_and_repeated_tokens_inside_sentences(family):
     rec = invert_text(model, tt.fedsgd_gradients(model, truth))
     assert _exact(rec, truth), rec.reason
     assert rec.certified
+
+
+def test_tokens_with_identical_embeddings_are_never_certified():
+    model = tt.tiny_llama()
+    truth = _batch(17, count=3)
+    with torch.no_grad():                          # a twin of a batch token, as untrained
+        model.model.embed_tokens.weight[499] = model.model.embed_tokens.weight[truth[0][1]]
+    rec = invert_text(model, tt.fedsgd_gradients(model, truth))
+    assert not rec.certified
+    assert "identical embeddings" in rec.reason

@@ -168,6 +168,8 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
         f"only the label of the position before, and the update has no gradient for {out_name}"]
     stopped, unproven = _stop_state(bag, growth)
     unproven += _margin_faults(bag, growth) + _rank_faults(family, spans, sequences)
+    unproven += [f"tokens {', '.join(map(str, g))} have identical embeddings: the update "
+                 "cannot tell them apart" for g in bag.twins]
     unproven += _ending_faults(sequences, len(token_ids), batch_size)
     t0 = time.perf_counter()
     residuals: dict[str, float] = {}

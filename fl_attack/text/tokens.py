@@ -11,7 +11,7 @@ tokens allowed at each position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,12 +35,16 @@ class TokenFilter:
         Largest score (:meth:`Span.score`) of a kept token and smallest of a rejected one.
     stopped : str
         ``"complete"`` or ``"budget"``.
+    twins : list[list[int]]
+        Kept tokens whose embedding rows are identical (a vocabulary can hold such, e.g.
+        untrained tokens): the update cannot tell them apart.
     """
 
     candidates: list[torch.Tensor]
     accepted_max: float
     rejected_min: float
     stopped: str = "complete"
+    twins: list[list[int]] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -61,7 +65,7 @@ def filter_tokens(family: Family, span: Span, *, deadline: float | None,
     """
     if not family.positional_inputs:
         ids, acc, rej = _scan(family, span, 0)
-        return TokenFilter([ids], acc, rej)
+        return TokenFilter([ids], acc, rej, twins=_twins(family, ids))
     limit = max_positions or int(family.root.transformer.wpe.weight.shape[0])
     cands, acc, rej = [], 0.0, float("inf")
     for p in range(limit):
@@ -72,7 +76,17 @@ def filter_tokens(family: Family, span: Span, *, deadline: float | None,
         if ids.numel() == 0:
             break
         cands.append(ids)
-    return TokenFilter(cands, acc, rej)
+    kept = torch.unique(torch.cat(cands)) if cands else torch.zeros(0, dtype=torch.long)
+    return TokenFilter(cands, acc, rej, twins=_twins(family, kept))
+
+
+def _twins(family: Family, ids: torch.Tensor) -> list[list[int]]:
+    """Groups of kept tokens with identical embedding rows."""
+    if ids.numel() < 2:
+        return []
+    _, inverse, counts = torch.unique(family.embed.weight[ids].detach(), dim=0,
+                                      return_inverse=True, return_counts=True)
+    return [ids[inverse == g].tolist() for g in torch.nonzero(counts > 1).flatten().tolist()]
 
 
 def _scan(family: Family, span: Span, position: int) -> tuple[torch.Tensor, float, float]:
