@@ -11,7 +11,8 @@ A batch is certified when all of these hold (``docs/algorithm.md``, "The text ce
 4. the gradient of the mean next-token loss on the recovered batch, computed by the server from
    the model it sent, equals the update on every parameter read, up to one common scale, to
    ``RESIDUAL`` relative error (float32 rounding): a single wrong token changes the output
-   layer's gradient by about ``1/√N`` of its norm over N labelled positions.
+   layer's gradient by about ``1/√N`` of its norm over N labelled positions, and noise on the
+   update shows there too.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from fl_attack.text.batch import logits_and_head_inputs, next_token_loss, padded
 
 #: Kept scores must sit this many times below the nearest rejected one.
 MARGIN = 3.0
-#: Relative residual of the recomputed update, per parameter.
-RESIDUAL = 1e-3
+#: Relative residual of the recomputed update, per parameter: float32 rounding with a margin
+#: (measured on SmolLM2, correct reads of 1 to 28 sentences: 3e-7 to 3e-6).
+RESIDUAL = 3e-5
 
 
 @dataclass
