@@ -26,6 +26,9 @@ from fl_attack.text.batch import logits_and_head_inputs, next_token_loss, padded
 
 #: A coefficient within this of an integer ≥ 1 reads as that many sentences ending there.
 INTEGER_TOL = 0.1
+#: The most sentences one reading may put after one prefix: a larger coefficient is not a
+#: count (the reading has not settled) and would make the recomputed batch explode.
+MAX_COUNT = 8
 
 
 @dataclass
@@ -74,20 +77,25 @@ def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
         The most readings.
     """
     guess: list[list[tuple[int, int]]] | None = None
+    settled = False
     for _ in range(rounds):
         found = _read(model, weight, observed, prefixes, leaves, guess, first=guess is None)
         if found.labels == guess:
+            settled = True
             break
         guess = found.labels
-    return _whole_inner_ends(found, leaves)
+        if sum(c for labels in guess for _, c in labels) > 2 * leaves + MAX_COUNT:
+            break                      # more sentences than the prefixes can hold
+    return _whole_inner_ends(found, leaves, settled)
 
 
-def _whole_inner_ends(found: Endings, leaves: int) -> Endings:
-    """Inner ends kept only where their last reading is a whole count of sentences: a reading
-    that has not settled (left padding's unmodelled labels, noise) leaves none there."""
+def _whole_inner_ends(found: Endings, leaves: int, settled: bool) -> Endings:
+    """Inner ends kept only where the readings settled (two in a row agreed) and the last one
+    is a whole count of sentences: a reading that has not settled (left padding's unmodelled
+    labels, noise, spurious ends that come and go) leaves none there."""
     for j in range(leaves, len(found.labels)):
         keep = [i for i, c in enumerate(found.coefficients[j])
-                if abs(c - round(c)) <= INTEGER_TOL]
+                if settled and abs(c - round(c)) <= INTEGER_TOL]
         found.labels[j] = [found.labels[j][i] for i in keep]
         found.coefficients[j] = [found.coefficients[j][i] for i in keep]
     return found
@@ -131,7 +139,7 @@ def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
         col = coef[:, j]
         top = torch.nonzero(col > 0.5).flatten()
         top = top[torch.argsort(col[top], descending=True)][: 1 if first else 8]
-        labels[j] = [(int(v), max(1, round(float(col[v])))) for v in top]
+        labels[j] = [(int(v), min(MAX_COUNT, max(1, round(float(col[v]))))) for v in top]
         values[j] = [float(col[v]) for v in top]
     return Endings(labels, values, alpha)
 
