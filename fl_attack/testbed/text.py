@@ -19,6 +19,7 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,8 +218,6 @@ def score_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]
             r1[i, j], r2[i, j] = sc["rouge1"].fmeasure, sc["rouge2"].fmeasure
     rows, cols = linear_sum_assignment(-(r1 + r2)) if rec_s else ([], [])
     exact = sum(list(truth[i]) == list(recovered[j]) for i, j in zip(rows, cols, strict=True))
-    from collections import Counter
-
     rc = Counter(t for r in recovered for t in r)
     tc = Counter(t for s in truth for t in s)
     common = sum((rc & tc).values())

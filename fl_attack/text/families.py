@@ -81,7 +81,6 @@ class Family:
         if len(self.blocks) < 2:
             raise UnsupportedModel(f"{type(model).__name__} has {len(self.blocks)} block(s); the "
                                    "text attack reads the first two")
-        self.width = int(self.embed.weight.shape[1])
         self.vocab_size = int(self.embed.weight.shape[0])
 
     # -- where the parameters are -----------------------------------------------------

@@ -76,10 +76,11 @@ def read_endings(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
     rounds
         The most readings.
     """
+    obs = observed.double()
     guess: list[list[tuple[int, int]]] | None = None
     settled = False
     for _ in range(rounds):
-        found = _read(model, weight, observed, prefixes, leaves, guess, first=guess is None)
+        found = _read(model, weight, obs, prefixes, leaves, guess, first=guess is None)
         if found.labels == guess:
             settled = True
             break
@@ -101,13 +102,14 @@ def _whole_inner_ends(found: Endings, leaves: int, settled: bool) -> Endings:
     return found
 
 
-def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
+def _read(model: nn.Module, weight: nn.Parameter, obs: torch.Tensor,
           prefixes: list[list[int]], leaves: int, guess: list[list[tuple[int, int]]] | None,
           *, first: bool) -> Endings:
     """One reading: the coefficients of ``R = −N (G / α − G_known)`` in the prefixes' ends.
 
-    The batch recomputed holds each guessed sentence, and each leaf without a guess with an
-    open end; an inner prefix needs no row of its own, its ``h`` is a leaf's at its length.
+    ``obs`` is the observed gradient in float64. The batch recomputed holds each guessed
+    sentence, and each leaf without a guess with an open end; an inner prefix needs no row of
+    its own, its ``h`` is a leaf's at its length.
     """
     batch, open_end, ends = [], [], []
     for j, prefix in enumerate(prefixes):
@@ -127,7 +129,7 @@ def _read(model: nn.Module, weight: nn.Parameter, observed: torch.Tensor,
         (known,) = torch.autograd.grad(loss, [weight])
     cols = leaves if first else len(prefixes)      # inner ends once the leaves' are known
     h = _head_inputs(heads.detach(), batch, prefixes[:cols]).double()
-    obs, known = observed.double(), known.double()
+    known = known.double()
     alpha = _fit_scale(obs, known, skip=len(prefixes) * 2)
     coef = -n * (obs / alpha - known) @ torch.linalg.pinv(h)           # (V, prefixes)
     if guess:

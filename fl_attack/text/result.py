@@ -61,9 +61,12 @@ class TextReconstruction:
     family : str
         The adapter that read the model (``"rotary"``, ``"learned"``).
     ranks : dict[str, int]
-        Numerical rank of each span read (``attn0``, ``mlp0``, ``attn1``).
+        Numerical rank of each span read (``attn0``, ``mlp``: block 0's MLP input, ``attn1``).
     margins : dict[str, float]
-        ``accepted_max`` and ``rejected_min`` distances over the token and prefix checks.
+        The largest kept and smallest rejected score (distance over tilt,
+        ``span.Span.score``) of the token filter (``tokens_*``) and of the first prefix check
+        (``prefixes_*``), and the largest kept score at block 1's confirming check
+        (``prefixes_confirm_max``).
     residuals : dict[str, float]
         Per parameter, the recomputed update's relative residual (empty when not computed).
     timings : dict[str, float]

@@ -71,13 +71,6 @@ class Growth:
     stopped : str
         ``"complete"``, ``"budget"`` or ``"ambiguous"`` (more prefixes kept at a position than
         the span holds vectors: the checks do not separate).
-    positions : int
-        Positions grown.
-    repeats : int
-        Extensions of a one-token prefix by the same token, dropped: with rotary positions
-        ``t t`` gives the first block exactly the vectors ``t`` gives, so the update cannot
-        tell them apart (a sentence that starts so is read without its repeats, and the
-        recomputed update then refuses the certificate).
     """
 
     leaves: list[Prefixes] = field(default_factory=list)
@@ -85,8 +78,6 @@ class Growth:
     rejected_min: float = float("inf")
     confirm_max: float = 0.0
     stopped: str = "complete"
-    positions: int = 0
-    repeats: int = 0
 
 
 def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span | None], *,
@@ -136,7 +127,6 @@ def grow(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span |
             out.stopped = "ambiguous"       # longer than the span has vectors
             out.leaves.append(live)
             break
-    out.positions = p
     out.leaves = [leaf for leaf in out.leaves if leaf.tokens.shape[1] > 0]
     return out
 
@@ -163,9 +153,10 @@ def _step(family: Family, live: Prefixes, cand: torch.Tensor, p: int,
     dist = torch.cat(kept_dist)
     if not family.positional_inputs and p > 0:
         # A prefix of one repeated token t extended by t: every value is v_t, so attention
-        # gives v_t whatever the positions, and the vector repeats the parent's exactly.
+        # gives v_t whatever the positions, and the vector repeats the parent's exactly. The
+        # update cannot tell `t t` from `t`: such extensions are dropped (a sentence that
+        # starts so is read without its repeats, and the recomputed update refuses it).
         same = (live.tokens[pre] == cand[tok][:, None]).all(dim=1)
-        out.repeats += int(same.sum())
         pre, tok, dist = pre[~same], tok[~same], dist[~same]
     extended = torch.zeros(n_pre, dtype=torch.bool, device=pre.device)
     extended[pre] = True

@@ -30,7 +30,7 @@ ROUNDING = 3e-6
 
 @dataclass(frozen=True)
 class Span:
-    """An orthonormal basis of a gradient's row space, with the spectrum it was read from.
+    """An orthonormal basis of a gradient's row space, with what rounding does to it.
 
     Attributes
     ----------
@@ -38,38 +38,34 @@ class Span:
         (d, r) orthonormal columns, float64, on the attack's device.
     rank : int
         r, the numerical rank: the positions (distinct inputs) the gradient holds.
-    width : int
-        d, the layer's input width.
-    gap : float
-        Ratio of the last signal singular value to the next one (inf at full width).
-    singular_values : torch.Tensor
-        The spectrum, largest first, relative to the largest (CPU, float64).
+    inv_sigma : torch.Tensor
+        (r,) the inverse singular values of the basis directions, relative to the largest,
+        float64 on the basis's device.
+    noise : float
+        The first singular value below the signal, relative: the size of the rounding that
+        tilts the estimated span (0 at full precision).
     """
 
     basis: torch.Tensor
     rank: int
-    width: int
-    gap: float
-    singular_values: torch.Tensor
+    inv_sigma: torch.Tensor
     noise: float = 0.0
-    """The first singular value below the signal, relative: the size of the rounding that
-    tilts the estimated span (0 at full precision)."""
-
-    def tilt(self, x: torch.Tensor) -> torch.Tensor:
-        """How far rounding alone can move each row of ``x`` (k, d), taken to lie in the span,
-        off the estimated span: ``noise · ‖Σ⁻¹ Uᵀ x‖ / ‖x‖`` (first-order perturbation of the
-        singular subspaces: a direction of singular value σ tilts by about noise / σ)."""
-        x = x.to(self.basis.dtype)
-        sigma = self.singular_values[: self.rank].to(x.device, x.dtype)
-        coef = (x @ self.basis) / sigma
-        return self.noise * coef.norm(dim=1) / x.norm(dim=1).clamp_min(
-            torch.finfo(x.dtype).tiny)
 
     def score(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's distance and its score ``distance / (tilt + ROUNDING)``: an input of
-        the batch scores below ``ACCEPT``, whatever the strength of its direction."""
-        d = self.distance(x)
-        return d, d / (self.tilt(x) + ROUNDING)
+        """Each row's distance to the span and its score ``distance / (tilt + ROUNDING)``: an
+        input of the batch scores below ``ACCEPT``, whatever the strength of its direction.
+
+        The tilt is how far rounding alone can move a row of ``x`` that lies in the span off
+        the estimated span, ``noise · ‖Σ⁻¹ Uᵀ x‖ / ‖x‖`` (first-order perturbation of the
+        singular subspaces: a direction of singular value σ tilts by about noise / σ). Both
+        come from one projection ``Uᵀ x``.
+        """
+        x = x.to(self.basis.dtype)
+        coef = x @ self.basis
+        norm = x.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
+        d = (x - coef @ self.basis.T).norm(dim=1) / norm
+        tilt = self.noise * (coef * self.inv_sigma).norm(dim=1) / norm
+        return d, d / (tilt + ROUNDING)
 
     def distance(self, x: torch.Tensor) -> torch.Tensor:
         """Relative distance ``‖x − P x‖ / ‖x‖`` of each row of ``x`` (k, d) to the span.
@@ -77,9 +73,7 @@ class Span:
         The residual is formed explicitly in float64 (two matrix products), not as
         ``1 − ‖Uᵀx‖²/‖x‖²``, whose cancellation would floor every distance near 1e-8.
         """
-        x = x.to(self.basis.dtype)
-        resid = x - (x @ self.basis) @ self.basis.T
-        return resid.norm(dim=1) / x.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
+        return self.score(x)[0]
 
 
 def rounding_floor(rows: torch.Tensor, unit_roundoff: float) -> float:
@@ -89,8 +83,7 @@ def rounding_floor(rows: torch.Tensor, unit_roundoff: float) -> float:
     return unit_roundoff * float(rows.pow(2).mean().sqrt()) * (k ** 0.5 + d ** 0.5)
 
 
-def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -24,
-              rank: int | None = None) -> Span:
+def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -24) -> Span:
     """The span of a gradient's rows, its rank read above the rounding floor.
 
     Parameters
@@ -102,8 +95,6 @@ def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -2
         The layer's name, for errors.
     unit_roundoff
         Of the dtype the gradient was computed in (float32: 2⁻²⁴).
-    rank
-        Take this rank instead of reading it.
 
     Raises
     ------
@@ -118,16 +109,14 @@ def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -2
     if s.numel() == 0 or float(s[0]) == 0.0:
         raise NotIdentifiable(f"{what}: the gradient is zero", reason="no-signal", rank=0,
                               limit=width)
-    if rank is None:
-        rank = int((s > NOISE_FACTOR * rounding_floor(rows, unit_roundoff)).sum())
-    rel = (s / s[0]).cpu()
-    gap = float(rel[rank - 1] / rel[rank]) if rank < rel.numel() else float("inf")
+    rank = int((s > NOISE_FACTOR * rounding_floor(rows, unit_roundoff)).sum())
     if rank >= width:
         raise NotIdentifiable(
             f"{what}: all {width} directions of the gradient lie above float rounding: the "
             f"batch holds at least as many token positions as the layer's width {width} (or "
             "noise fills the spectrum), so every vector lies in the span",
             reason="full-rank", rank=rank, limit=width)
+    rel = s / s[0]
     noise = float(rel[rank]) if rank < rel.numel() else 0.0
-    return Span(basis=vh[:rank].T.contiguous(), rank=rank, width=width, gap=gap,
-                singular_values=rel, noise=noise)
+    return Span(basis=vh[:rank].T.contiguous(), rank=rank, inv_sigma=1.0 / rel[:rank],
+                noise=noise)
