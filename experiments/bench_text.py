@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -51,18 +53,45 @@ def load(name: str):
     return GPT2LMHeadModel(cfg).eval(), tok
 
 
-def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: int,
-            max_seconds: float | None, baseline_seconds: float, update
+@dataclass
+class Client:
+    """What one client sends: its model (the model sent, or that model with LoRA adapters), the
+    update it computes from a batch of token ids and the batch's index, and a label."""
+
+    label: str
+    model: torch.nn.Module
+    update: Callable[[list[list[int]], int], dict[str, torch.Tensor]]
+
+
+def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
+    """The client ``--update`` and its options describe."""
+    if args.update == "fedavg":
+        return Client(f"FedAvg E={args.steps} lr={args.lr:g}"
+                      + (f" mb={args.minibatch}" if args.minibatch else ""), model,
+                      lambda ids, i: tt.fedavg_update(model, ids, steps=args.steps, lr=args.lr,
+                                                      minibatch=args.minibatch))
+    if args.update == "dpsgd":
+        return Client(f"DP-SGD C={args.clip:g} σ={args.sigma:g}", model,
+                      lambda ids, i: tt.dpsgd_gradients(model, ids, clip=args.clip,
+                                                        noise_multiplier=args.sigma, seed=i))
+    if args.update == "lora":
+        lora = tt.with_lora(model, args.rank)
+        return Client(f"LoRA r={args.rank} (q, v), FedSGD", lora,
+                      lambda ids, i: tt.fedsgd_gradients(lora, ids))
+    return Client("FedSGD", model, lambda ids, i: tt.fedsgd_gradients(model, ids))
+
+
+def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: int, seed: int,
+            max_seconds: float | None, baseline_seconds: float
             ) -> tuple[list[object], list[str]]:
     """Attack ``count`` batches of ``b`` sentences; the summary row and per-batch notes."""
     scores, secs, certs, false_certs, notes, base = [], [], 0, 0, [], []
     for i, batch in enumerate(tt.batches(source, b, count, seed=seed, max_tokens=max_tokens,
                                          tokenizer=tok)):
         ids = [tok(s).input_ids for s in batch]
-        client = getattr(update, "model", None) or model
-        grads = update(client, ids, i)
+        grads = client.update(ids, i)
         t0 = time.perf_counter()
-        rec = invert_text(client, grads, max_seconds=max_seconds)
+        rec = invert_text(client.model, grads, max_seconds=max_seconds)
         secs.append(time.perf_counter() - t0)
         sc = tt.score_text(rec.token_ids, ids, tok.decode)
         scores.append(sc)
@@ -74,38 +103,17 @@ def run_row(model, tok, source: str, b: int, max_tokens: int, count: int, seed: 
             notes.append(f"- B = {b}, batch {i}: {rec.reason}")
         if baseline_seconds > 0:
             names = [n for n in rec.residuals if "layers.0" in n or ".h.0." in n]
-            guess = tt.gradient_matching(model, grads, [len(t) for t in ids], names=names,
-                                         max_seconds=baseline_seconds, seed=i)
+            guess = tt.gradient_matching(client.model, grads, [len(t) for t in ids],
+                                         names=names, max_seconds=baseline_seconds, seed=i)
             base.append(tt.score_text(guess, ids, tok.decode))
     mean = lambda k: statistics.fmean(getattr(s, k) for s in scores)  # noqa: E731
-    row = [type(model).__name__, update.label, source, b, max_tokens, count, f"{mean('rouge1'):.3f}",
-           f"{mean('rouge2'):.3f}", f"{100 * mean('exact'):.0f}",
+    base_model = getattr(client.model, "get_base_model", lambda: client.model)()
+    row = [type(base_model).__name__, client.label, source, b, max_tokens, count,
+           f"{mean('rouge1'):.3f}", f"{mean('rouge2'):.3f}", f"{100 * mean('exact'):.0f}",
            f"{mean('token_precision'):.3f} / {mean('token_recall'):.3f}",
            f"{100 * certs / count:.0f}", false_certs, f"{statistics.median(secs):.1f}",
            f"{max(secs):.1f}", _baseline(base, baseline_seconds)]
     return row, notes
-
-
-def make_update(kind: str, steps: int, lr: float, minibatch: int | None, sigma: float,
-                clip: float, rank: int = 8):
-    """The client's update as a function of (model, token ids, batch index), with a label."""
-    if kind == "fedsgd":
-        def update(model, ids, i):
-            return tt.fedsgd_gradients(model, ids)
-        update.label = "FedSGD"
-    elif kind == "fedavg":
-        def update(model, ids, i):
-            return tt.fedavg_update(model, ids, steps=steps, lr=lr, minibatch=minibatch)
-        update.label = f"FedAvg E={steps} lr={lr:g}" + (f" mb={minibatch}" if minibatch else "")
-    elif kind == "dpsgd":
-        def update(model, ids, i):
-            return tt.dpsgd_gradients(model, ids, clip=clip, noise_multiplier=sigma, seed=i)
-        update.label = f"DP-SGD C={clip:g} σ={sigma:g}"
-    else:
-        def update(model, ids, i):
-            return tt.fedsgd_gradients(model, ids)
-        update.label = f"LoRA r={rank} (q, v), FedSGD"
-    return update
 
 
 def _baseline(scores: list, seconds: float) -> str:
@@ -141,18 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     harness.check_run_args(parser, args)
     torch.set_grad_enabled(True)
     model, tok = load(args.model)
-    update = make_update(args.update, args.steps, args.lr, args.minibatch, args.sigma, args.clip,
-                         args.rank)
-    if args.update == "lora":
-        update.model = tt.with_lora(model, args.rank)
+    client = make_client(args, model)
     harness.start_section(args.out, TITLE, INTRO, [
         harness.section_heading(MODULE, argv), "", harness.machine_line("cpu"), "",
         *harness.table_header(COLUMNS)])
-    rows, notes = [], []
+    notes = []
     for b in args.batch_sizes:
-        row, why = run_row(model, tok, args.source, b, args.max_tokens, args.batches,
-                           args.first_seed, args.max_seconds, args.baseline_seconds, update)
-        rows.append(row)
+        row, why = run_row(client, tok, args.source, b, args.max_tokens, args.batches,
+                           args.first_seed, args.max_seconds, args.baseline_seconds)
         notes += why
         harness.append_lines(args.out, harness.table_row(row))
         print(harness.table_row(row), flush=True)
