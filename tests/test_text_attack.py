@@ -263,3 +263,42 @@ def test_tokens_with_identical_embeddings_are_never_certified():
     rec = invert_text(model, tt.fedsgd_gradients(model, truth))
     assert not rec.certified
     assert "identical embeddings" in rec.reason
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_weights_after_one_step_are_read_and_certified(family):
+    """FedSGD as Flower clients send it: the float32 weights after one SGD step."""
+    model, truth = MODELS[family](), _batch(11)
+    update = tt.fedavg_update(model, truth, steps=1, lr=0.05)
+    rec = invert_text(model, update, weights_dtype="float32")
+    assert rec.certified, rec.reason
+    assert _exact(rec, truth)
+
+
+def test_a_weight_difference_with_one_wrong_token_is_not_certified():
+    """The storage rounding is allowed in the certificate's residual, a wrong token is not."""
+    from fl_attack.text import certify
+    from fl_attack.text.attack import _storage
+
+    model, truth = tt.tiny_llama(), _batch(12)
+    update = tt.fedavg_update(model, truth, steps=1, lr=0.05)
+    family = family_of(model)
+    grads = _validated(family, update)
+    storage = _storage(family, grads, "float32")
+    right = certify.recompute(model, truth, grads, storage)
+    assert not right.unexplained
+    wrong = [list(s) for s in truth]
+    wrong[0][1] = wrong[0][1] + 1
+    assert certify.recompute(model, wrong, grads, storage).unexplained
+
+
+def test_storage_rounding_is_the_spacing_of_the_stored_weights():
+    from fl_attack.text.span import storage_rounding
+
+    w0 = torch.tensor([1.0, 1.5, -3.0, 0.0])
+    std = storage_rounding(w0, torch.zeros(4), torch.float32)
+    ulp = torch.tensor([2.0 ** -23, 2.0 ** -23, 2.0 ** -22, 2.0 ** -149], dtype=torch.float64)
+    assert torch.allclose(std, ulp / 12 ** 0.5)
+    with pytest.raises(ValueError, match="weights_dtype"):
+        invert_text(tt.tiny_llama(), tt.fedsgd_gradients(tt.tiny_llama(), _batch(1)),
+                    weights_dtype="int8")

@@ -18,13 +18,14 @@ from fl_attack.text.families import Family, Reader, family_of
 from fl_attack.text.last_token import INTEGER_TOL, Endings, read_endings
 from fl_attack.text.result import SequenceEvidence, TextReconstruction
 from fl_attack.text.sequences import Growth, grow
-from fl_attack.text.span import Span, read_span
+from fl_attack.text.span import Span, read_span, storage_rounding
 from fl_attack.text.tokens import TokenFilter, filter_tokens
 
 
 def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: int | None = None,
                 max_seconds: float | None = 120.0, seed: int = 0,
-                device: str | torch.device | None = None) -> TextReconstruction:
+                device: str | torch.device | None = None,
+                weights_dtype: str | None = None) -> TextReconstruction:
     """Recover the token sequences behind one FedSGD step of next-token fine-tuning.
 
     Parameters
@@ -46,6 +47,12 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
         Accepted for symmetry with :func:`fl_attack.invert`; the attack is deterministic.
     device
         Where to compute (default: the model's device). The model is copied there if needed.
+    weights_dtype
+        ``None``: ``gradients`` are gradients. ``"float32"``, ``"bfloat16"`` or ``"float16"``:
+        they are weight differences ``W₀ − W₁`` of one local step (FedSGD as Flower clients send
+        it: the weights after the step), with ``W₁`` stored in that dtype. Its rounding, known
+        entry by entry from ``W₀`` (the model) and the difference, sets the spans' floor and
+        is allowed in the certificate's residual, and nothing more.
 
     Returns
     -------
@@ -71,14 +78,30 @@ def invert_text(model: nn.Module, gradients: Mapping[str, Any], *, batch_size: i
         model = copy.deepcopy(model).to(device)
     family = family_of(model)
     with _eval(model):
-        return _run(family, _validated(family, gradients), batch_size, clock)
+        grads = _validated(family, gradients)
+        return _run(family, grads, _storage(family, grads, weights_dtype), batch_size, clock)
 
 
-def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None, clock: Clock
+def _storage(family: Family, grads: dict[str, torch.Tensor], weights_dtype: str | None
+             ) -> dict[str, torch.Tensor] | None:
+    """Per parameter read, the storage rounding of a weight difference (None for gradients)."""
+    if weights_dtype is None:
+        return None
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if weights_dtype not in dtypes:
+        raise ValueError(f"weights_dtype must be one of {sorted(dtypes)} or None, got "
+                         f"{weights_dtype!r}")
+    params = dict(family.model.named_parameters())
+    return {n: storage_rounding(params[n], g, dtypes[weights_dtype]).float()
+            for n, g in grads.items()}
+
+
+def _run(family: Family, grads: dict[str, torch.Tensor],
+         storage: dict[str, torch.Tensor] | None, batch_size: int | None, clock: Clock
          ) -> TextReconstruction:
     t0 = time.perf_counter()
     try:
-        spans, used = _spans(family, grads)
+        spans, used = _spans(family, grads, storage)
     except NotIdentifiable as err:
         stopped = "not-applicable" if err.reason == "adapter-rank" else "not-identifiable"
         return TextReconstruction([], [], False, stopped, str(err), family=family.name,
@@ -106,8 +129,8 @@ def _run(family: Family, grads: dict[str, torch.Tensor], batch_size: int | None,
                                    [t for t, _ in nodes], len(leaves))
     clock.tick("last_token", t0)
     sequences = _relative_counts(_sequences(nodes, len(leaves), endings), batch_size)
-    rec = _verdict(family, grads, spans, used, bag, growth, sequences, endings, batch_size,
-                   clock)
+    rec = _verdict(family, grads, storage, spans, used, bag, growth, sequences, endings,
+                   batch_size, clock)
     rec.seconds = clock.elapsed()
     return rec
 
@@ -156,7 +179,8 @@ def _relative_counts(sequences: list[SequenceEvidence], batch_size: int | None
     return sequences
 
 
-def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Span | None],
+def _verdict(family: Family, grads: dict[str, torch.Tensor],
+             storage: dict[str, torch.Tensor] | None, spans: dict[str, Span | None],
              used: list[str], bag: TokenFilter, growth: Growth, sequences: list[SequenceEvidence],
              endings: Endings | None, batch_size: int | None, clock: Clock
              ) -> TextReconstruction:
@@ -175,11 +199,13 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor], spans: dict[str, Sp
     residuals: dict[str, float] = {}
     if token_ids and all(len(t) > 1 for t in token_ids):
         names = used + ([out_name] if out_name in grads else [])
-        check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names})
+        check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names},
+                                  storage)
         residuals = check.residuals
-        if check.worst > certify.RESIDUAL:
-            unproven.append(f"the recovered batch reproduces the update only to "
-                            f"{check.worst:.2g} relative error (needs < {certify.RESIDUAL:g})")
+        for name, value in check.unexplained.items():
+            unproven.append(f"the recovered batch reproduces the update of {name} only to "
+                            f"{value:.2g} relative error (rounding explains "
+                            f"{check.allowed[name]:.2g})")
     clock.tick("certify", t0)
     certified = not unproven and not not_carried
     n = len(token_ids)
@@ -250,40 +276,47 @@ def _rank_faults(family: Family, spans: dict[str, Span | None],
             for k, s in spans.items() if s is not None and s.rank > expected[k]]
 
 
-def _spans(family: Family, grads: dict[str, torch.Tensor]
+def _spans(family: Family, grads: dict[str, torch.Tensor],
+           storage: dict[str, torch.Tensor] | None = None
            ) -> tuple[dict[str, Span | None], list[str]]:
     """The three spans (None where no reader's gradient was given) and the names read."""
     out: dict[str, Span | None] = {}
     used: list[str] = []
     for key, block, part in (("attn0", 0, "attn"), ("mlp", 0, "mlp"), ("attn1", 1, "attn")):
-        found = [r for r in (_rows(x, grads) for x in family.readers(block, part)) if r]
+        found = [r for r in (_rows(x, grads, storage) for x in family.readers(block, part))
+                 if r]
         if not found:
             out[key] = None
             continue
         what = f"block {block} {part} ({found[0][0]})"
-        for name, mat, rank in found:
-            if rank and read_span(mat.double(), what=what, unit_roundoff=_roundoff(mat)
-                                  ).rank >= rank:
+        for name, mat, rank, std in found:
+            if rank and read_span(mat.double(), what=what, unit_roundoff=_roundoff(mat),
+                                  stored=std).rank >= rank:
                 raise NotIdentifiable(
                     f"not applicable: the LoRA adapter {name} has rank {rank}, and its gradient "
                     f"uses all {rank} directions: an adapter of rank {rank} cannot show more "
                     f"token positions than {rank}, so its span proves nothing about the tokens",
                     reason="adapter-rank", rank=rank, limit=rank)
-        used += [name for name, _, _ in found]
-        out[key] = read_span(torch.cat([m.double() for _, m, _ in found]), what=what,
-                             unit_roundoff=max(_roundoff(m) for _, m, _ in found))
+        used += [name for name, *_ in found]
+        stds = None if storage is None else torch.cat([std for *_, std in found])
+        out[key] = read_span(torch.cat([m.double() for _, m, _, _ in found]), what=what,
+                             unit_roundoff=max(_roundoff(m) for _, m, _, _ in found),
+                             stored=stds)
     return out, used
 
 
-def _rows(reader: Reader, grads: dict[str, torch.Tensor]
-          ) -> tuple[str, torch.Tensor, int] | None:
-    """The reader's gradient rows (the base weight's, else its LoRA adapter's) and the
-    adapter's rank (0 for a base weight)."""
-    if reader.name in grads:
-        g = grads[reader.name]
-        return reader.name, g.T if reader.transpose else g, 0
-    if reader.adapter is not None and reader.adapter in grads:
-        return reader.adapter, grads[reader.adapter], reader.adapter_rank
+def _rows(reader: Reader, grads: dict[str, torch.Tensor],
+          storage: dict[str, torch.Tensor] | None = None
+          ) -> tuple[str, torch.Tensor, int, torch.Tensor | None] | None:
+    """The reader's gradient rows (the base weight's, else its LoRA adapter's), the adapter's
+    rank (0 for a base weight) and, for a weight difference, the rows' storage rounding."""
+    for name, transpose, rank in ((reader.name, reader.transpose, 0),
+                                  (reader.adapter, False, reader.adapter_rank)):
+        if name is not None and name in grads:
+            g, std = grads[name], None if storage is None else storage[name]
+            if transpose:
+                g, std = g.T, None if std is None else std.T
+            return name, g, rank, std
     return None
 
 

@@ -12,7 +12,9 @@ A batch is certified when all of these hold (``docs/algorithm.md``, "The text ce
    the model it sent, equals the update on every parameter read, up to one common scale, to
    ``RESIDUAL`` relative error (float32 rounding): a single wrong token changes the output
    layer's gradient by about ``1/√N`` of its norm over N labelled positions, and noise on the
-   update shows there too.
+   update shows there too. For a weight difference ``W₀ − W₁`` the rounding of storing ``W₁``
+   is known entry by entry (``span.storage_rounding``): the residual may hold its energy,
+   ``STORAGE_SLACK`` more, and nothing else.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ MARGIN = 3.0
 #: Relative residual of the recomputed update, per parameter: float32 rounding with a margin
 #: (measured on SmolLM2, correct reads of 1 to 28 sentences: 3e-7 to 3e-6).
 RESIDUAL = 3e-5
+#: A weight difference's residual energy may exceed the storage rounding's expected energy by
+#: this fraction (the energy of independent errors concentrates within ~1/√n of its mean).
+STORAGE_SLACK = 0.05
 
 
 @dataclass
@@ -42,19 +47,30 @@ class Recomputed:
         α fitted over every parameter at once (observed ≈ α × recomputed).
     residuals : dict[str, float]
         Per parameter, ``‖observed − α recomputed‖ / ‖observed‖``.
+    allowed : dict[str, float]
+        Per parameter, the largest residual that rounding explains: ``RESIDUAL``, and for a
+        weight difference the storage rounding's expected norm (``STORAGE_SLACK`` more energy)
+        relative to ``‖observed‖`` beside it.
     """
 
     scale: float
     residuals: dict[str, float]
+    allowed: dict[str, float]
 
     @property
     def worst(self) -> float:
         """The largest residual."""
         return max(self.residuals.values())
 
+    @property
+    def unexplained(self) -> dict[str, float]:
+        """The parameters whose residual rounding does not explain, with their residual."""
+        return {n: r for n, r in self.residuals.items() if r > self.allowed[n]}
+
 
 def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
-              observed: Mapping[str, torch.Tensor]) -> Recomputed:
+              observed: Mapping[str, torch.Tensor],
+              rounding: Mapping[str, torch.Tensor] | None = None) -> Recomputed:
     """Recompute the gradient of the parameters in ``observed`` on ``sentences`` and compare.
 
     Parameters
@@ -65,6 +81,9 @@ def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
         The recovered batch, whole sentences.
     observed
         Parameter name → the update observed for it (same shape as the parameter).
+    rounding
+        For a weight difference: parameter name → per entry, the standard deviation of the
+        storage rounding (``span.storage_rounding``).
     """
     params = dict(model.named_parameters())
     names = list(observed)
@@ -80,6 +99,13 @@ def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
     num = sum(float((o * r).sum()) for o, r in zip(obs, rec, strict=True))
     den = sum(float((r * r).sum()) for r in rec)
     alpha = num / den if den > 0 else 0.0
-    residuals = {n: float((o - alpha * r).norm() / o.norm().clamp_min(1e-300))
+    norms = {n: float(o.norm().clamp_min(1e-300)) for n, o in zip(names, obs, strict=True)}
+    residuals = {n: float((o - alpha * r).norm()) / norms[n]
                  for n, o, r in zip(names, obs, rec, strict=True)}
-    return Recomputed(alpha, residuals)
+    allowed = {}
+    for n in names:
+        energy = RESIDUAL ** 2
+        if rounding is not None and n in rounding:
+            energy += (1 + STORAGE_SLACK) * float(rounding[n].pow(2).sum()) / norms[n] ** 2
+        allowed[n] = energy ** 0.5
+    return Recomputed(alpha, residuals, allowed)

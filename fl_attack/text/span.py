@@ -19,6 +19,12 @@ from fl_attack.errors import NotIdentifiable
 #: :func:`rounding_floor`). Measured on SmolLM2's float32 gradients (WordNet, B = 16): the
 #: rounding's largest singular value sits at 6-22x the estimate, the weakest true input at 92x.
 NOISE_FACTOR = 40.0
+#: With a weight difference ``W₀ − W₁`` (``invert_text(weights_dtype=...)``), a singular value
+#: counts as signal above this many times the spectral edge of the storage rounding
+#: (:func:`storage_floor`). Measured on SmolLM2 (float32, WordNet, B = 4 and 16, lr 1e-3 to
+#: 0.1): the rounding's largest singular value sits at 0.9-1.9x the edge, the weakest true input
+#: of a B = 16 batch at lr 0.01 at 9.4x.
+STORAGE_FACTOR = 4.0
 #: A candidate is kept when its distance is below this many times its tilt (plus
 #: ``ROUNDING``). Measured (WordNet, B = 16): true tokens and prefixes at most 0.71x their
 #: tilt, wrong tokens at least 6.6x, wrong prefixes at least 13x at block 0's MLP input.
@@ -83,7 +89,30 @@ def rounding_floor(rows: torch.Tensor, unit_roundoff: float) -> float:
     return unit_roundoff * float(rows.pow(2).mean().sqrt()) * (k ** 0.5 + d ** 0.5)
 
 
-def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -24) -> Span:
+def storage_floor(rounding_std: torch.Tensor) -> float:
+    """The largest singular value that storing ``W₁`` alone gives a weight difference
+    ``W₀ − W₁`` (k, d): ``rms(σ) · (√k + √d)`` for independent errors of standard deviations
+    ``rounding_std`` (:func:`storage_rounding`)."""
+    k, d = rounding_std.shape
+    return float(rounding_std.pow(2).mean().sqrt()) * (k ** 0.5 + d ** 0.5)
+
+
+def storage_rounding(weight: torch.Tensor, update: torch.Tensor, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """Per entry, the standard deviation of the error that storing ``W₁ = W₀ − update`` in
+    ``dtype`` adds to the update: ``ulp(W₁) / √12`` (round to nearest, uniform error).
+
+    ``W₁`` is rebuilt from the weights the server sent and the update: both are known exactly
+    to the server, so the size of the rounding is known entry by entry.
+    """
+    w1 = (weight.detach().double() - update.double()).to(dtype)
+    mag = w1.abs()
+    ulp = torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag
+    return ulp.double() / 12 ** 0.5
+
+
+def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -24,
+              stored: torch.Tensor | None = None) -> Span:
     """The span of a gradient's rows, its rank read above the rounding floor.
 
     Parameters
@@ -95,6 +124,10 @@ def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -2
         The layer's name, for errors.
     unit_roundoff
         Of the dtype the gradient was computed in (float32: 2⁻²⁴).
+    stored
+        For a weight difference: per entry of ``rows``, the standard deviation of the storage
+        rounding (:func:`storage_rounding`); the rank is read above ``STORAGE_FACTOR`` times its
+        edge too.
 
     Raises
     ------
@@ -109,7 +142,10 @@ def read_span(rows: torch.Tensor, *, what: str, unit_roundoff: float = 2.0 ** -2
     if s.numel() == 0 or float(s[0]) == 0.0:
         raise NotIdentifiable(f"{what}: the gradient is zero", reason="no-signal", rank=0,
                               limit=width)
-    rank = int((s > NOISE_FACTOR * rounding_floor(rows, unit_roundoff)).sum())
+    floor = NOISE_FACTOR * rounding_floor(rows, unit_roundoff)
+    if stored is not None:
+        floor = max(floor, STORAGE_FACTOR * storage_floor(stored))
+    rank = int((s > floor).sum())
     if rank >= width:
         raise NotIdentifiable(
             f"{what}: all {width} directions of the gradient lie above float rounding: the "
