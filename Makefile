@@ -52,6 +52,12 @@ stop-local:
 deploy-local: $(STAMP)
 	VENV=$(VENV) scripts/deploy_local.sh
 
+.PHONY: demo-text
+# Text: 3 clients fine-tune SmolLM2-135M on WordNet's sentences (FedSGD, 2 rounds); the audit
+# reads their sentences (DAGER) -> the verdict and the report's path
+demo-text: $(STAMP)
+	$(PY) -m experiments.demo --text
+
 .PHONY: demo-train
 # A federation that learns (MNIST, FedAvg, 30 rounds), audited every round in the background,
 # and the same run without the audit -> its report, experiments/results/training.md

@@ -1,4 +1,5 @@
-"""The ``ClientApp``: an ordinary Flower client training a ReLU MLP on its share of real images.
+"""The ``ClientApp``: an ordinary Flower client training a ReLU MLP on its share of real images
+(``task = "text"``: fine-tuning a language model on its sentences, ``clients.text_task``).
 
 Each round the client draws ``batch-size`` samples from its partition (without the ``eval-size``
 samples it evaluates on, when ``eval-held-out`` is set) and trains on them with the
@@ -213,7 +214,11 @@ def _train(msg: Message, context: Context) -> Message:
     torch.set_num_threads(max(1, int(cfg["client-threads"])))
     server_round = int(cfg.get("server-round", 1))
     faults = parse_faults(str(cfg["inject-faults"]))
-    pid, _ = _partition_of(context)
+    pid, nparts = _partition_of(context)
+    if cfg["task"] == "text":
+        from fl_attack_flwr.clients.text_task import text_train
+
+        return text_train(msg, cfg, pid, nparts)
     if faults.get(pid) == "raise":
         raise RuntimeError(f"injected fault: partition {pid} fails on purpose")
 
@@ -261,6 +266,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     samples it never trains on with ``eval-held-out``, else samples it may also train on."""
     cfg = client_config(msg, context)
     torch.set_num_threads(max(1, int(cfg["client-threads"])))
+    if cfg["task"] == "text":
+        from fl_attack_flwr.clients.text_task import text_evaluate
+
+        return text_evaluate(msg, cfg, *_partition_of(context))
     model = _model(cfg, next(iter(msg.content.array_records.values())))
     _, x, y, _ = _local_data(cfg, context, int(cfg.get("server-round", 1)), train=False)
     model.eval()

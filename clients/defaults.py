@@ -14,6 +14,7 @@ FAULT_MODES = ("raise", "nan", "shape", "missing", "zero")
 
 #: Client-side settings and their defaults (the ServerApp sends all of them with each message).
 CLIENT_DEFAULTS: dict[str, Any] = {
+    "task": "image",
     "protocol": "fedsgd",
     "dataset": "photos32",
     "dataset-size": 1000,
@@ -37,6 +38,10 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "leak-guard": "",
     "leak-guard-seconds": 30.0,
     "leak-guard-epsilon": 1.0,
+    "text-model": "smollm2",
+    "text-source": "wordnet",
+    "max-tokens": 32,
+    "train-blocks": 0,
 }
 
 

@@ -63,6 +63,7 @@ from fl_attack_flwr.results.records import (
     record_of,
     round_metrics,
 )
+from fl_attack_flwr.results.text import TextTruth
 from fl_attack_flwr.settings import UPDATE_OF_PROTOCOL, AttackSettings
 
 Pending = list[tuple[ReplyFacts, Future[AttackOutcome]]]
@@ -81,8 +82,9 @@ class AuditingStrategy(EvaluationLog):
     attack : AttackSettings, optional
         How, where and when to attack (defaults: first linear layer, update read as a gradient
         and then as a FedAvg sum, one worker process, blocking).
-    ground_truth : GroundTruth, optional
-        Audit mode: the dataset the clients' reported ``sample-indices`` refer to.
+    ground_truth : GroundTruth or TextTruth, optional
+        Audit mode: the dataset (images) or the sentences (text) the clients' reported
+        ``sample-indices`` refer to.
     dataset : str, optional
         An ``fl_attack.testbed.data`` dataset the inputs come from (its shape and normalisation).
     input_shape : tuple of int, optional
@@ -98,7 +100,14 @@ class AuditingStrategy(EvaluationLog):
         attacked layer is not the first (a CNN's ``fc1``), the attack recovers that layer's
         input features exactly, and the model turns them into pictures: the server runs the
         layers before it with the weights it sent (``fl_attack.pixels``). It also lets the
-        audit check what the attack assumes (a ReLU right after the attacked layer).
+        audit check what the attack assumes (a ReLU right after the attacked layer). For a
+        language model (replies holding a transformer's attention blocks, read with the text
+        attack, DAGER): its architecture, as a ``transformers`` config (picklable, built with
+        ``AutoModelForCausalLM.from_config``), a model instance, or a class / factory; the
+        weights are always the ones the server sent.
+    tokenizer : tokenizer or str, optional
+        A language model's tokenizer (or a path to load it from): the sentences read are
+        decoded with it. Without it they are token ids.
     pixel_seconds : float
         Time budget of the pictures estimated from features, per update.
     enabled : bool
@@ -106,11 +115,12 @@ class AuditingStrategy(EvaluationLog):
     """
 
     def __init__(self, strategy: Strategy | None = None, *, store: AuditStore | None = None,
-                 attack: AttackSettings | None = None, ground_truth: GroundTruth | None = None,
+                 attack: AttackSettings | None = None,
+                 ground_truth: GroundTruth | TextTruth | None = None,
                  dataset: str | None = None, input_shape: tuple[int, int, int] | None = None,
                  input_transform: Callable[..., Any] | tuple[Any, Any] | None = None,
-                 protocol: str | None = None, model: Any = None, pixel_seconds: float = 60.0,
-                 enabled: bool = True) -> None:
+                 protocol: str | None = None, model: Any = None, tokenizer: Any = None,
+                 pixel_seconds: float = 60.0, enabled: bool = True) -> None:
         super().__init__(strategy if strategy is not None else FedAvg(), store)
         attack = attack or AttackSettings()
         if protocol is not None:
@@ -120,7 +130,7 @@ class AuditingStrategy(EvaluationLog):
             if attack.update == "auto":
                 attack = dataclasses.replace(attack, update=UPDATE_OF_PROTOCOL[protocol])
         self.attack, self.store, self.protocol, self.enabled = attack, store, protocol, enabled
-        self.ground_truth = ground_truth
+        self.ground_truth, self.tokenizer = ground_truth, tokenizer
         self.view = InputView(dataset, input_shape, input_transform)
         self.model = None if model is None else ModelPlan(
             model, input_shape=self.view.model_shape(), bounds=self.view.bounds(),
@@ -214,7 +224,7 @@ class AuditingStrategy(EvaluationLog):
             chosen = {i: "secure aggregation: the server sees only the round's aggregate"
                       for i in chosen}
         ctx = Intake(server_round, self.attack, self.weighted_by_key, self.protocol,
-                     self._current, dict(self._sent), self.model)
+                     self._current, dict(self._sent), self.model, self.tokenizer)
         keep, replied, futures = [], [], []
         for i, reply in enumerate(replies):
             node = int(reply.metadata.src_node_id)

@@ -204,6 +204,13 @@ def score_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]
     ``decode`` turns token ids into a string (the tokenizer's ``decode``); ROUGE is computed
     on the decoded strings, exactness on the ids.
     """
+    return match_text(recovered, truth, decode)[0]
+
+
+def match_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]],
+               decode) -> tuple[TextScore, list[int | None]]:
+    """:func:`score_text`, and for each sentence of ``truth`` the index of the recovered one
+    matched to it (optimal assignment on ROUGE-1 + ROUGE-2; None where none is left)."""
     _need("rouge_score")
     from rouge_score import rouge_scorer
 
@@ -221,12 +228,16 @@ def score_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]
     rc = Counter(t for r in recovered for t in r)
     tc = Counter(t for s in truth for t in s)
     common = sum((rc & tc).values())
-    return TextScore(rouge1=float(r1[rows, cols].sum() / len(tru_s)),
-                     rouge2=float(r2[rows, cols].sum() / len(tru_s)),
-                     exact=exact / len(tru_s),
-                     token_precision=common / max(1, sum(rc.values())),
-                     token_recall=common / max(1, sum(tc.values())),
-                     batch_exact=sorted(map(list, recovered)) == sorted(map(list, truth)))
+    matched: list[int | None] = [None] * len(tru_s)
+    for i, j in zip(rows, cols, strict=True):
+        matched[int(i)] = int(j)
+    score = TextScore(rouge1=float(r1[rows, cols].sum() / len(tru_s)),
+                      rouge2=float(r2[rows, cols].sum() / len(tru_s)),
+                      exact=exact / len(tru_s),
+                      token_precision=common / max(1, sum(rc.values())),
+                      token_recall=common / max(1, sum(tc.values())),
+                      batch_exact=sorted(map(list, recovered)) == sorted(map(list, truth)))
+    return score, matched
 
 
 def gradient_matching(model: nn.Module, gradients: dict[str, torch.Tensor],

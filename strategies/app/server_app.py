@@ -47,6 +47,11 @@ def client_config_record(cfg: Mapping[str, Any]) -> ConfigRecord:
 
 def initial_arrays(cfg: Mapping[str, Any]) -> ArrayRecord:
     """The initial global model (seeded) as an ArrayRecord."""
+    if cfg["task"] == "text":
+        from fl_attack_flwr.clients.text_task import initial_text_model
+
+        return ArrayRecord(initial_text_model(str(cfg["text-model"]),
+                                              int(cfg["model-seed"])).state_dict())
     from fl_attack.testbed.data import image_shape
     from fl_attack.testbed.models import relu_mlp
 
@@ -93,12 +98,9 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
                     fraction_evaluate=float(cfg["fraction-evaluate"]),
                     min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=n)
     strategy = AuditingStrategy(
-        fedavg, store=store, attack=attack_settings(cfg),
-        ground_truth=(GroundTruth(str(cfg["dataset"]), int(cfg["dataset-size"]) or None,
-                                  seed=int(cfg["data-seed"])) if cfg["audit"] else None),
-        dataset=str(cfg["dataset"]), protocol=str(cfg["protocol"]),
-        model=model_factory(str(cfg["audit-model"])),
-        pixel_seconds=float(cfg["audit-pixel-seconds"]), enabled=bool(cfg["audit-enabled"]))
+        fedavg, store=store, attack=attack_settings(cfg), protocol=str(cfg["protocol"]),
+        pixel_seconds=float(cfg["audit-pixel-seconds"]), enabled=bool(cfg["audit-enabled"]),
+        **(_text_audit(cfg) if cfg["task"] == "text" else _image_audit(cfg)))
     try:
         result = strategy.start(grid=grid, initial_arrays=initial_arrays(cfg),
                                 num_rounds=int(cfg["num-server-rounds"]),
@@ -122,6 +124,24 @@ def run_audit(grid: Grid, cfg: Mapping[str, Any]) -> dict[str, Any]:
         log(ERROR, "[audit] %s", failure)
         raise PrivacyGateError(failure)
     return summary
+
+
+def _image_audit(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The strategy's ground truth, dataset and model for the image task."""
+    return {"ground_truth": (GroundTruth(str(cfg["dataset"]), int(cfg["dataset-size"]) or None,
+                                         seed=int(cfg["data-seed"])) if cfg["audit"] else None),
+            "dataset": str(cfg["dataset"]), "model": model_factory(str(cfg["audit-model"]))}
+
+
+def _text_audit(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The text task's: the model's architecture, its tokenizer, the clients' sentences."""
+    from fl_attack_flwr.clients.text_task import text_config, text_tokenizer
+    from fl_attack_flwr.results.text import TextTruth
+
+    tokenizer = text_tokenizer()
+    return {"model": text_config(str(cfg["text-model"])), "tokenizer": tokenizer,
+            "ground_truth": (TextTruth(str(cfg["text-source"]), tokenizer) if cfg["audit"]
+                             else None)}
 
 
 app = ServerApp()

@@ -47,7 +47,10 @@ class Intake:
     sent: dict[int, ArrayRecord]
     """The arrays each node was sent (the attack's ``W0``)."""
     model: ModelPlan | None = None
-    """The user's model, when the strategy was given one (pictures from features)."""
+    """The user's model, when the strategy was given one (pictures from features; a language
+    model's architecture)."""
+    tokenizer: Any = None
+    """Decodes a language model's token ids (``jobs.text``)."""
 
 
 def sample_replies(settings: AttackSettings, rng: random.Random, server_round: int,
@@ -235,7 +238,7 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
         return facts, AttackOutcome(verdicts.ATTACK_ERROR, error="the server has no record of "
                                     "the arrays it sent this node")
     return update_work(ctx.settings, ctx.model, facts, {k: v.numpy() for k, v in sent.items()},
-                       {k: v.numpy() for k, v in returned.items()})
+                       {k: v.numpy() for k, v in returned.items()}, tokenizer=ctx.tokenizer)
 
 
 def _same(a: ArrayRecord, b: ArrayRecord) -> bool:

@@ -27,9 +27,10 @@ from fl_attack_flwr.jobs.build import AttackJob, attack_job
 from fl_attack_flwr.jobs.layers import LayerChoice, Passed
 from fl_attack_flwr.jobs.model_plan import LayerPlan, ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome
+from fl_attack_flwr.jobs.text import TextJob, text_job, text_layer
 from fl_attack_flwr.settings import AttackSettings
 
-Work = AttackJob | AttackOutcome
+Work = AttackJob | TextJob | AttackOutcome
 """What to do with a reply: attack this job, or record this outcome (nothing to attack)."""
 
 log = logging.getLogger("flwr")
@@ -62,13 +63,15 @@ def array_problem(key: str, value: np.ndarray, want: tuple[int, ...] | None) -> 
 
 
 def update_work(settings: AttackSettings, model: ModelPlan | None, facts: ReplyFacts,
-                sent: Mapping[str, np.ndarray],
-                returned: Mapping[str, np.ndarray]) -> tuple[ReplyFacts, Work]:
+                sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray], *,
+                tokenizer: Any = None) -> tuple[ReplyFacts, Work]:
     """The attack job of the update ``sent -> returned`` and the facts it adds (the attacked
     layer, the layers passed over, what a reconstruction is); an outcome that says why when
     there is no job (``not-covered``, ``no-update``, or ``attack-error`` for what is no update
     at all: no linear layer with a bias, a named layer the model lacks). Never raises for what
-    the arrays hold."""
+    the arrays hold. A language model's update goes to the text attack (:func:`text_work`)."""
+    if text_layer(returned) is not None:
+        return text_work(settings, model, facts, sent, returned, tokenizer)
     try:
         plan_of = None if model is None else (lambda key: model.layer(key, sent))
         target, work = attack_job(sent, returned, settings, label=facts.client_label,
@@ -93,6 +96,26 @@ def update_work(settings: AttackSettings, model: ModelPlan | None, facts: ReplyF
         return facts, AttackOutcome(verdicts.ATTACK_ERROR, error=str(exc))
     log.info("[audit] round %d, %s: attacking %s %s (read as %s)", facts.server_round,
              facts.client_label, layer.weight_key, layer.shape, " then ".join(work.readings))
+    return facts, work
+
+
+def text_work(settings: AttackSettings, model: ModelPlan | None, facts: ReplyFacts,
+              sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
+              tokenizer: Any) -> tuple[ReplyFacts, Work]:
+    """The text attack's job of a language model's update (``jobs.text``), and its facts."""
+    layer = str(text_layer(returned))
+    facts = dataclasses.replace(
+        facts, layer=layer, layer_shape=list(np.shape(returned[layer])), reads="text",
+        inputs_are=("The sentences the client trained on, as token ids read off blocks 0 and "
+                    "1 and the output layer (DAGER), decoded with the model's tokenizer."))
+    work = text_job(sent, returned, model=None if model is None else model.spec,
+                    tokenizer=tokenizer, server_round=facts.server_round, node_id=facts.node_id,
+                    label=facts.client_label, num_examples=facts.num_examples,
+                    protocol=facts.protocol, max_seconds=settings.max_seconds,
+                    device=settings.device, memory_limit_gb=settings.memory_limit_gb)
+    if not isinstance(work, AttackOutcome):
+        log.info("[audit] round %d, %s: reading the text of a language model's update (%s)",
+                 facts.server_round, facts.client_label, layer)
     return facts, work
 
 

@@ -48,6 +48,11 @@ class AttackOutcome:
         For ``protected``: why the layer cannot separate the batch, as
         ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``: the update mixes
         more samples than the layer separates; ``"no-signal"``: noise hides every sample).
+    text
+        For a language model's update (``jobs.text``): the sentences read, as ``token_ids``
+        (one list per sentence), ``sentences`` (decoded with the model's tokenizer, or None)
+        and ``evidence`` (per sentence, how it was read). The clients' private data: records
+        keep it out of ``metrics.jsonl``.
     """
 
     status: str
@@ -60,6 +65,7 @@ class AttackOutcome:
     ran_on: str | None = None
     pixels: Any = field(default=None, repr=False, compare=False)
     protected_by: str | None = None
+    text: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:

@@ -20,15 +20,20 @@ from typing import Any
 from fl_attack_flwr import verdicts
 from fl_attack_flwr.jobs.build import AttackJob
 from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
+from fl_attack_flwr.jobs.text import TextJob, run_text_job
 
 _GB = 1024**3
 
 
-def run_job(job: AttackJob, *, in_worker: bool = False) -> AttackOutcome:
-    """Attack ``job`` under each of its readings until one is certified; keep the best.
+def run_job(job: AttackJob | TextJob, *, in_worker: bool = False) -> AttackOutcome:
+    """Attack ``job`` under each of its readings until one is certified; keep the best (a
+    language model's job: the text attack, ``jobs.text``).
 
     ``in_worker`` applies the job's memory cap (never in the server's own process).
     """
+    if isinstance(job, TextJob):
+        with _memory_cap(job.memory_limit_gb if in_worker else None):
+            return run_text_job(job)
     t0 = time.perf_counter()
     best: AttackOutcome | None = None
     first_error: AttackOutcome | None = None

@@ -15,6 +15,14 @@ from fl_attack_flwr import verdicts
 from fl_attack_flwr.output.png import image_grid, png_bytes
 from fl_attack_flwr.output.progress import progress_png
 from fl_attack_flwr.output.summary import EXACT_DB, READABLE_DB
+from fl_attack_flwr.output.text_report import (
+    TEXT_MEANINGS,
+    TEXT_WORDS,
+    is_text_run,
+    text_clients_table,
+    text_section,
+    text_summary_rows,
+)
 from fl_attack_flwr.results.records import ClientAudit
 
 STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
@@ -30,6 +38,7 @@ STYLE = (  # the reports' stylesheet (also used by the defence matrix's page)
     ".none{background:#eee;border:2px solid #999}.st{font-weight:bold}"
     ".facts{font-size:.8em;margin-top:.4em;color:#444}"
     "dt{font-weight:bold;margin-top:.5em}dd{margin-left:1.5em}"
+    "mark{background:#f5b7b1}table.text td{font-family:monospace;white-space:pre-wrap}"
 )
 
 
@@ -75,13 +84,17 @@ def _reports_dp(records: Sequence[ClientAudit]) -> bool:
 
 def _explanations(records: Sequence[ClientAudit]) -> str:
     present = {r.status for r in records}
-    legend = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
+    meanings = {**verdicts.MEANINGS, **(TEXT_MEANINGS if is_text_run(records) else {})}
+    legend = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in meanings.items()
                      if k in present)
-    others = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in verdicts.MEANINGS.items()
+    others = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in meanings.items()
                      if k not in present and k != verdicts.PENDING)
     dp = ("<dt>ε, δ</dt><dd>The differential privacy a DP-SGD client reported (Opacus' RDP "
           "accountant): smaller ε is stronger privacy; ε = ∞ means no noise.</dd>"
           if _reports_dp(records) else "")
+    if is_text_run(records):
+        return (f"<h2>How to read this report</h2><dl>{TEXT_WORDS}{legend}</dl><details>"
+                f"<summary>Other statuses</summary><dl>{others}</dl></details>")
     return (
         "<h2>How to read this report</h2><dl>"
         "<dt>The attack</dt><dd>The server inverts each client's update of one linear layer "
@@ -139,12 +152,13 @@ def render_report(summary: Mapping[str, Any], records: Sequence[ClientAudit],
         f"<div class='verdict {summary.get('verdict_level')}' id='verdict'>"
         f"{_esc(summary.get('verdict'))}<div class='facts'>{_esc(_facts(summary))}</div></div>",
         "".join(f"<p class='warn'>{_esc(n)}</p>" for n in summary.get("notes") or []),
-        _summary_table(summary, records),
+        _summary_table(summary, records, config),
         _explanations(records),
         _training_section(summary, records, config),
         _rounds_section(summary, rounds, records),
         _clients_section(records),
         _reconstructions_section(records, str(summary.get("reconstructions_kept") or "all")),
+        text_section(records, str(summary.get("reconstructions_kept") or "all")),
         "<h2>Configuration</h2>",
         html_table(["setting", "value"], [[_esc(k), fmt(v)] for k, v in sorted(config.items())],
                left=(0, 1)) if config else "<p>No run configuration was given.</p>",
@@ -179,7 +193,12 @@ def _facts(s: Mapping[str, Any]) -> str:
     return "; ".join(parts) + "."
 
 
-def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit]) -> str:
+def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit],
+                   config: Mapping[str, Any]) -> str:
+    if is_text_run(records):
+        rows = text_summary_rows(dict(s), dict(config))
+        return "<h2>Summary</h2>" + html_table(
+            ["", "value"], [[_esc(k), fmt(v)] for k, v in rows if v is not None], left=(0,))
     gt = s.get("scored")
     rows = [
         ("protocol", s.get("protocol")), ("dataset", s.get("dataset")),
@@ -225,6 +244,13 @@ def _training_section(s: Mapping[str, Any], records: Sequence[ClientAudit],
                "train on (eval-held-out = false)")
     else:
         acc = "evaluated by the clients (Flower's evaluate round, weighted by their examples)"
+    if is_text_run(records):
+        return ("<h2>Leakage as the model trains</h2>"
+                + (f"<p id='trend'><b>{_esc(sentence)}</b></p>" if sentence else "")
+                + (inline_png(png, "leakage per round") if png else "")
+                + "<p>Leakage per round: of the sentences in the client updates the attack "
+                  "answered, those in a batch certified exact, and the share of those updates "
+                  "certified.</p>")
     words = ("<p>Leakage per round: of the samples in the client updates the attack answered, "
              f"those the server read (recognisable, PSNR &gt; {READABLE_DB:.0f} dB, or in a "
              "batch certified exact), and the share of those updates certified exact. "
@@ -255,6 +281,12 @@ def _rounds_section(s: Mapping[str, Any], rounds: Mapping[int, Mapping[str, Any]
         rows.append([str(rnd)] + ([_pct(r["accuracy"])] if learning else []) + [read]
                     + [fmt(info.get(k), d) if d else fmt(info.get(k)) for k, _, d in cols])
     header = ["round"] + (["accuracy"] if learning else []) + ["samples read"]
+    if is_text_run(records):
+        keep = [i for i, (k, _, _) in enumerate(cols) if k not in ("audit-lambda-mean",
+                                                                     "audit-psnr-mean")]
+        header[-1] = "sentences read"
+        rows = [row[:len(header)] + [row[len(header) + i] for i in keep] for row in rows]
+        return "<h2>Per round</h2>" + html_table(header + [cols[i][1] for i in keep], rows)
     out = "<h2>Per round</h2>" + html_table(header + [t for _, t, _ in cols], rows)
     png = figure_png(records)
     return out + (inline_png(png, "per-round metrics") if png else "")
@@ -265,6 +297,9 @@ def _pct(v: float | None) -> str:
 
 
 def _clients_section(records: Sequence[ClientAudit]) -> str:
+    if is_text_run(records):
+        header, rows = text_clients_table(records)
+        return "<h2>Clients</h2>" + html_table(header, rows, left=(1, 2, 3))
     dp = _reports_dp(records)
     guarded = any(r.guard is not None for r in records)
     features = any(r.reads == "features" for r in records)
@@ -325,6 +360,8 @@ def _guard_words(guard: Mapping[str, Any] | None) -> str:
 def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") -> str:
     shown = [r for r in sorted(records, key=lambda r: (r.server_round, r.client_label))
              if r.recon_images is not None or (r.inputs is not None and r.reconstructed)]
+    if not shown and any(r.reads == "text" for r in records):
+        return ""  # a language model's sentences: text_section
     policy = ("" if kept == "all" else
               f"<p>Reconstructions kept by this run: {_esc(kept)}. The clients' verdicts and "
               "scores above cover every audited update.</p>")

@@ -17,6 +17,10 @@ Layout of ``<output-dir>/<run-name>/``::
         pixels.npz                   pictures estimated from features, one per row of inputs:
                                      ``images`` in [0, 1], ``model_inputs`` in the model's
                                      input space (the record's ``pixels["arrays"]`` says how)
+        text.jsonl                   a language model's update: one JSON line per sentence
+                                     read (``text``, ``token_ids``; in audit mode the
+                                     ``original`` matched to it and ``exact``), then one per
+                                     client sentence no sentence read matched (``missed``)
         metrics.json                 the client's line of metrics.jsonl
     rounds.jsonl                     a JSON line per round as its facts land (timings, audit
                                      and evaluation metrics); a round's last line holds all
@@ -74,7 +78,8 @@ def is_run_name(name: str) -> bool:
 def _without_arrays(record: ClientAudit) -> ClientAudit:
     """``record`` without its reconstruction, pictures and raw inputs."""
     return dataclasses.replace(record, inputs=None, recon_images=None, original_images=None,
-                               matching=None, pixel_images=None, pixel_inputs=None)
+                               matching=None, pixel_images=None, pixel_inputs=None,
+                               sentences=None, missed_sentences=None)
 
 
 def _npz(arrays: Mapping[str, np.ndarray]) -> bytes:
@@ -210,6 +215,13 @@ class AuditStore:
             if record.pixel_inputs is not None:
                 pixels["model_inputs"] = np.asarray(record.pixel_inputs, dtype=np.float32)
             files.append(atomic_write_bytes(cdir / "pixels.npz", _npz(pixels)))
+        if record.sentences is not None:
+            lines = [dumps({k: v for k, v in s.items() if k not in ("pieces", "original_pieces")})
+                     for s in record.sentences]
+            lines += [dumps({"missed": True, "original": s})
+                      for s in record.missed_sentences or []]
+            files.append(atomic_write_bytes(cdir / "text.jsonl",
+                                            "".join(f"{line}\n" for line in lines).encode()))
         return files
 
     def _forget_before(self, first_kept: int) -> None:

@@ -83,7 +83,7 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "per_round": {str(k): dict(v) for k, v in sorted(rounds.items())},
         "report": str(Path(run_dir) / "report.html"),
     }
-    summary.update(_feature_totals(records), budget=_budget(config))
+    summary.update(_feature_totals(records), **_text_totals(records), budget=_budget(config))
     summary["by_round"] = progress.by_round(records, rounds, readable_db=READABLE_DB)
     summary["leakage_trend"] = progress.trend_sentence(summary["by_round"])
     summary["verdict"], summary["verdict_level"] = verdict(summary)
@@ -103,7 +103,7 @@ def _feature_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
     mixing = [r for r in records if r.status == verdicts.PROTECTED
               and r.protected_by == "full-rank"]
     return {
-        "inputs_certified": sum(1 for r in cert if r.reads != "features"),
+        "inputs_certified": sum(1 for r in cert if r.reads not in ("features", "text")),
         "features_certified": sum(1 for r in cert if r.reads == "features"),
         "feature_layers": ", ".join(sorted({_layer_name(r.layer) for r in feats})) or None,
         "pictures_estimated": sum(1 for r in feats if r.pixels and not r.pixels.get("error")),
@@ -116,6 +116,48 @@ def _feature_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
         "not_covered": sum(1 for r in records if r.status == verdicts.NOT_COVERED),
         "protected_mixing": len(mixing),
     }
+
+
+def _text_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
+    """Language models' updates: how many were read, certified, and their sentences (with
+    the truth: how many of the clients' sentences were read exactly, and ROUGE)."""
+    read = [r for r in records if r.reads == "text" and r.reconstructed]
+    cert = [r for r in read if r.status == verdicts.CERTIFIED]
+    scored = [r.text for r in read if r.text and "sentences_true" in r.text]
+
+    def sentences(rs: Sequence[ClientAudit]) -> int:
+        return sum(int((r.text or {}).get("sentences_read") or 0) for r in rs)
+
+    return {
+        "text_read": len(read), "text_certified": len(cert),
+        "sentences_read": sentences(read), "sentences_certified": sentences(cert),
+        "sentences_true": sum(t["sentences_true"] for t in scored),
+        "sentences_exact": sum(t["sentences_exact"] for t in scored),
+        "text_scored": len(scored),
+        "rouge1_mean": float(np.mean([t["rouge1"] for t in scored])) if scored else None,
+        "rouge2_mean": float(np.mean([t["rouge2"] for t in scored])) if scored else None,
+    }
+
+
+def _text_sentences(s: Mapping[str, Any]) -> list[str]:
+    """What was read off language models' updates, in words."""
+    if not s.get("text_read"):
+        return []
+    out, attacked = [], s["attacked"]
+    truth = (f" Against the clients' own sentences: {s['sentences_exact']} of "
+             f"{s['sentences_true']} read exactly (token for token), ROUGE-1 "
+             f"{s['rouge1_mean']:.3f}, ROUGE-2 {s['rouge2_mean']:.3f}."
+             if s.get("text_scored") else "")
+    cert, more = s["text_certified"], s["text_read"] - s["text_certified"]
+    if cert:
+        out.append(f"The server read {s['sentences_certified']} sentence(s) of {cert} of "
+                   f"{attacked} client updates exactly (certified): every token of every "
+                   "sentence of those batches, proven without the clients' data.")
+    if more:
+        out.append(f"{'It read' if cert else 'The server read'} "
+                   f"{s['sentences_read'] - s['sentences_certified']} sentence(s) of {more} "
+                   f"{'more ' if cert else ''}client update(s) without a certificate.")
+    return out + ([truth.strip()] if truth else [])
 
 
 def _layer_name(weight_key: str | None) -> str:
@@ -202,7 +244,7 @@ def verdict(s: Mapping[str, Any]) -> tuple[str, str]:
 
 def _read_sentences(s: Mapping[str, Any]) -> list[str]:
     """What was read: certified inputs, certified features (and their pictures), the rest."""
-    attacked, out = s["attacked"], []
+    attacked, out = s["attacked"], _text_sentences(s)
     cert_in, cert_ft = s["inputs_certified"], s["features_certified"]
     if cert_in:
         which = "that batch" if cert_in == 1 else "those batches"
@@ -213,7 +255,8 @@ def _read_sentences(s: Mapping[str, Any]) -> list[str]:
                    f"of {attacked} client batches exactly (certified): what the model computes "
                    "from each sample, not the samples themselves.")
         out.append(_pictures_sentence(s))
-    uncert = s["not_certified"] + s["partial"]
+    uncert = s["not_certified"] + s["partial"] - (s.get("text_read", 0)
+                                                  - s.get("text_certified", 0))
     if uncert:
         how = (f"; {s['readable']} of the {s['scored']} scored reconstructions are "
                f"recognisable (PSNR > {READABLE_DB:.0f} dB)." if s["scored"]
@@ -248,7 +291,8 @@ def _pictures_sentence(s: Mapping[str, Any]) -> str:
 
 def _level(s: Mapping[str, Any]) -> str:
     answered = s["reconstructions"] + s["protected"]
-    if s["inputs_certified"] or s["readable"] or s["pictures_readable"]:
+    if (s["inputs_certified"] or s["readable"] or s["pictures_readable"]
+            or s.get("text_certified") or s.get("sentences_exact")):
         return "leak"
     if not answered:
         return "none"

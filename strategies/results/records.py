@@ -29,6 +29,7 @@ from fl_attack_flwr import verdicts
 from fl_attack_flwr.intake.facts import ReplyFacts, client_label
 from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.results.pictures import GroundTruth, InputView, Pictures, pictures_of
+from fl_attack_flwr.results.text import Sentences, TextTruth, sentences_of
 
 log = logging.getLogger("flwr")
 
@@ -95,6 +96,15 @@ class ClientAudit:
     ``inputs`` (``pixels["arrays"]`` says how they were scaled)."""
     pixel_inputs: np.ndarray | None = field(default=None, repr=False)
     """The same pictures in the model's input space (what its forward pass takes)."""
+    text: dict[str, Any] | None = None
+    """For a language model's update (``reads == "text"``): ``sentences_read`` and, with the
+    truth, ``rouge1``, ``rouge2``, ``exact``, ``sentences_exact``, ``sentences_true``,
+    ``batch_exact`` (no sentence: those are in :attr:`sentences`)."""
+    sentences: list[dict[str, Any]] | None = field(default=None, repr=False)
+    """The sentences read (``results.text.Sentences.read``): the client's private data, kept
+    out of ``metrics.jsonl``."""
+    missed_sentences: list[str] | None = field(default=None, repr=False)
+    """With the truth: the client's sentences no sentence read was matched to."""
 
     def __post_init__(self) -> None:
         if self.status not in verdicts.STATUSES:
@@ -133,7 +143,7 @@ class ClientAudit:
             "reading", "layer", "layer_shape", "inputs_are", "num_examples", "batch_size",
             "true_batch_size", "sparsity_match", "exact", "n_directions", "attack_seconds",
             "ran_on", "reads", "psnr_mean", "psnr", "ssim_mean", "ssim", "pixels", "epsilon",
-            "epsilon_cumulative", "delta", "noise_std", "guard", "attack", "passed_over",
+            "epsilon_cumulative", "delta", "noise_std", "guard", "attack", "passed_over", "text",
         )
         line = {k: getattr(self, k) for k in keys}
         line["client"] = self.client_label
@@ -161,17 +171,22 @@ def _pixel_facts(outcome: AttackOutcome, pics: Pictures) -> dict[str, Any] | Non
 
 
 def record_of(facts: ReplyFacts, outcome: AttackOutcome, view: InputView,
-              truth: GroundTruth | None) -> ClientAudit:
+              truth: GroundTruth | TextTruth | None) -> ClientAudit:
     """The record of one reply: a reconstruction's pictures (scored against ``truth`` in audit
     mode, :func:`~fl_attack_flwr.results.pictures.pictures_of`), then :func:`build_record`."""
+    if outcome.text is not None:
+        return build_record(facts, outcome, sentences=sentences_of(
+            outcome, facts, truth if isinstance(truth, TextTruth) else None))
     pictures = None
     if outcome.reconstructed and outcome.inputs is not None:
-        pictures = pictures_of(outcome, facts, view, truth)
+        pictures = pictures_of(outcome, facts, view,
+                               truth if isinstance(truth, GroundTruth) else None)
     return build_record(facts, outcome, pictures)
 
 
 def build_record(facts: ReplyFacts, outcome: AttackOutcome,
-                 pictures: Pictures | None = None) -> ClientAudit:
+                 pictures: Pictures | None = None, *,
+                 sentences: Sentences | None = None) -> ClientAudit:
     """The record of one reply: its facts, its outcome and, for reconstructions, its pictures.
 
     A pictures error (the inputs could not be shown or scored) becomes the record's ``error``;
@@ -179,6 +194,9 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
     """
     pics = pictures or Pictures()
     found = dict(outcome.reconstruction) if outcome.reconstruction is not None else None
+    text = None
+    if sentences is not None:
+        text = {"sentences_read": len(sentences.read), **(sentences.scores or {})}
 
     def from_reconstruction(key: str, kind: type) -> Any:
         value = outcome.reconstruction_field(key)
@@ -187,7 +205,8 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
     return ClientAudit(
         server_round=facts.server_round, node_id=facts.node_id,
         partition_id=facts.partition_id, label=facts.label, status=outcome.status,
-        reason=outcome.reason, error=pics.error or outcome.error,
+        reason=outcome.reason,
+        error=pics.error or (sentences.error if sentences else None) or outcome.error,
         protected_by=outcome.protected_by, protocol=facts.protocol,
         reading=outcome.reading, layer=facts.layer, layer_shape=facts.layer_shape,
         inputs_are=facts.inputs_are or pics.note, num_examples=facts.num_examples,
@@ -204,6 +223,8 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
         recon_images=pics.recon_images, original_images=pics.original_images,
         matching=pics.matching, pixel_images=pics.estimated,
         pixel_inputs=None if pics.estimated is None else outcome.pixels.images,
+        text=text, sentences=None if sentences is None else sentences.read,
+        missed_sentences=None if sentences is None else sentences.missed,
     )
 
 

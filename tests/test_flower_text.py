@@ -1,0 +1,105 @@
+"""Language models in the federation: clients fine-tune a 2-block LLaMA (SmolLM2's tokenizer,
+real WordNet sentences) on Flower's simulation engine, and the audit reads their sentences.
+
+Contracts: every FedSGD update of a few short sentences is read and certified, and certified
+only when every sentence is the client's token for token; the sentences are stored owner-only
+and never in ``metrics.jsonl``; the report shows them beside the clients' own; a FedAvg update
+is never certified with a wrong token; bad text settings stop the run before it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_attack_flwr.output.private_files import records_from_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"task": "text", "text-model": "tiny-llama", "num-server-rounds": 1, "num-clients": 3,
+        "batch-size": 3, "max-tokens": 16, "lr": 0.05, "max-seconds": 60.0,
+        "fraction-evaluate": 0.0, "audit-executor": "inline"}
+
+
+def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[dict], Path]:
+    cfg = {**BASE, **config, "output-dir": str(tmp_path), "run-name": name}
+    args = [sys.executable, "-m", "experiments.demo", "--json"]
+    for key, value in cfg.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_dir = tmp_path / name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary, records_from_jsonl(run_dir / "metrics.jsonl"), run_dir
+
+
+def _certified_only_when_exact(lines: list[dict]) -> None:
+    for line in lines:
+        text = line["text"] or {}
+        if line["status"] == "certified":
+            assert text["sentences_exact"] == text["sentences_true"], line
+
+
+def test_fedsgd_sentences_are_read_certified_and_kept_private(tmp_path: Path) -> None:
+    summary, lines, run_dir = _simulate(tmp_path, "fedsgd", **{"num-server-rounds": 2})
+    assert summary["status"] == "completed" and len(lines) == 6
+    assert {line["status"] for line in lines} == {"certified"}, [l["reason"] for l in lines]
+    _certified_only_when_exact(lines)
+    assert summary["sentences_exact"] == summary["sentences_true"] == 18
+    assert summary["verdict_level"] == "leak" and "18 sentence(s)" in summary["verdict"]
+    read = [json.loads(x) for f in sorted(run_dir.glob("round-*/client-*/text.jsonl"))
+            for x in f.read_text().splitlines()]
+    assert len(read) == 18 and all(r["exact"] and r["text"] == r["original"] for r in read)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert not any(r["text"] in metrics for r in read)  # sentences never in the metrics
+    for p in [run_dir, *run_dir.rglob("*")]:
+        assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
+    report = (run_dir / "report.html").read_text()
+    assert "Sentences read" in report and "PSNR" not in report
+    assert all(r["original"].replace("'", "&#x27;") in report for r in read)
+
+
+def test_fedavg_is_never_certified_with_a_wrong_token(tmp_path: Path) -> None:
+    _, lines, _ = _simulate(tmp_path, "fedavg", protocol="fedavg", **{
+        "local-epochs": 2, "mini-batch-size": 1, "lr": 0.01})
+    assert len(lines) == 3
+    _certified_only_when_exact(lines)
+    assert all(line["reason"] or line["error"] for line in lines)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("text-model=bert", "text-model must be one of"),
+    ("protocol=dpsgd", "protocol must be one of ['fedsgd', 'fedavg'] for task = 'text'"),
+    ("leak-guard=report", "leak-guard must be empty for task = 'text'"),
+    ("train-blocks=1", "train-blocks must be 0 or >= 2"),
+])
+def test_a_bad_text_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str,
+                                                         message: str) -> None:
+    args = [sys.executable, "-m", "experiments.demo", "--set", f"output-dir={tmp_path}",
+            "--set", "task=text", "--set", setting]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_transformer_reply_without_the_model_is_named_not_covered() -> None:
+    from fl_attack.testbed import text as tt
+    from fl_attack_flwr.intake.facts import ReplyFacts
+    from fl_attack_flwr.intake.update import update_work
+    from fl_attack_flwr.settings import AttackSettings
+
+    model = tt.tiny_llama()
+    sent = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    returned = {k: v + np.float32(1e-3) for k, v in sent.items()}
+    facts, work = update_work(AttackSettings(), None, ReplyFacts(1, 7), sent, returned)
+    assert work.status == "not-covered" and "model=" in work.reason
+    assert facts.reads == "text" and facts.layer == "model.layers.0.self_attn.q_proj.weight"
