@@ -37,6 +37,7 @@ from fl_attack_flwr.intake.update import as_arrays
 from fl_attack_flwr.jobs.model_plan import ModelPlan
 from fl_attack_flwr.jobs.outcome import AttackOutcome
 from fl_attack_flwr.jobs.pixels import build_model
+from fl_attack_flwr.jobs.text import text_layer
 from fl_attack_flwr.output.privacy_gate import check_fail_on, gate_failure
 from fl_attack_flwr.output.store import AuditStore
 from fl_attack_flwr.results.pictures import InputView
@@ -77,7 +78,7 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
                  input_transform: Callable[..., Any] | tuple[Any, Any] | None = None,
                  pixel_seconds: float = 60.0, out: str | os.PathLike[str] = "runs",
                  run_name: str | None = None, fail_on: str = "", tensorboard: bool = False,
-                 reconstructions: bool = True,
+                 reconstructions: bool = True, tokenizer: Any = None,
                  settings: AttackSettings | None = None) -> SavedAudit:
     """Audit the updates ``sent -> returned`` of one round from saved weights, as the auditing
     strategy audits replies, and write the same run directory.
@@ -108,7 +109,13 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
     model, input_shape, input_transform, pixel_seconds
         The clients' model (an instance, or a class or factory without arguments), its input
         shape and normalisation, and the pictures' budget, as ``AuditingStrategy`` takes them.
-        The model also gives a ``.safetensors`` SENT the order of its arrays.
+        The model also gives a ``.safetensors`` SENT the order of its arrays. For a language
+        model (read with the text attack): its architecture, as a ``transformers`` config, a
+        checkpoint folder holding ``config.json``, a model, or a class / factory; default the
+        ``config.json`` beside a SENT checkpoint folder.
+    tokenizer : tokenizer or path, optional
+        A language model's tokenizer, to decode the sentences read; default the one saved in
+        a SENT checkpoint folder.
     out, run_name : optional
         The run directory ``<out>/<run_name>/`` (default a fresh name), created owner-only.
     fail_on : {"", "certified", "readable", "reconstructed"}
@@ -136,6 +143,8 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
     """
     base, backs, settings, note = _inputs(sent, returned, num_examples, fail_on, model,
                                           _Given(settings, layer, update, max_seconds))
+    if text_layer(base.arrays) is not None:
+        model, tokenizer = _text_model(base.path, model), _text_tokenizer(base.path, tokenizer)
     view = InputView(None, input_shape, input_transform)
     plan = None if model is None else ModelPlan(model, input_shape=view.model_shape(),
                                                  bounds=view.bounds(), max_seconds=pixel_seconds)
@@ -143,10 +152,12 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
               "num-examples": num_examples, "layer": settings.weight_key or "",
               "update": settings.update, "max-seconds": settings.max_seconds,
               "fail-on": fail_on, "model": "" if model is None else _name(model)}
+    if text_layer(base.arrays) is not None:
+        config.pop("layer")
     store = AuditStore(out, run_name, config=config, reconstructions=reconstructions,
                        tensorboard=tensorboard)
     store.notes += [note] if note else []
-    records = _attack_all(store, settings, plan, view, base, backs, num_examples)
+    records = _attack_all(store, settings, plan, view, base, backs, num_examples, tokenizer)
     summary = store.finalize({"status": "completed"})
     return SavedAudit(store.run_dir, summary, records, gate_failure(summary, fail_on))
 
@@ -172,17 +183,44 @@ def _inputs(sent: Source, returned: Source | Sequence[Source], num_examples: int
     base = _weights(sent, "SENT")
     items = list(returned) if _is_sequence(returned) else [returned]
     backs = [_weights(r, f"RETURNED-{i}") for i, r in enumerate(_expand(items), 1)]
-    base, note = _ordered(base, model)
+    text = text_layer(base.arrays) is not None
+    base, note = (base, None) if text else _ordered(base, model)
     for back in backs:
         check_update(base, back)
     settings = _settings(given.settings, base, given.layer, given.update, given.max_seconds)
-    check_layer(base, settings)
+    if not text:
+        check_layer(base, settings)
     return base, backs, settings, note
+
+
+def _text_model(sent: Path, model: Any) -> Any:
+    """A language model's architecture: ``model`` (a checkpoint folder read as its config),
+    else the ``config.json`` beside SENT; ``ValueError`` when there is none."""
+    folder = Path(model) if isinstance(model, (str, os.PathLike)) else (
+        sent if model is None and sent.is_dir() else None)
+    if folder is None:
+        if model is None:
+            raise ValueError(f"{sent}: a language model's weights: give its architecture "
+                             "(--model: a checkpoint folder with config.json, or MODULE:CLASS)")
+        return model
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: no config.json, the language model's architecture")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def _text_tokenizer(sent: Path, tokenizer: Any) -> Any:
+    """``tokenizer``, else the tokenizer saved beside SENT (a path, loaded by the job)."""
+    if tokenizer is not None or not sent.is_dir():
+        return tokenizer
+    saved = any((sent / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return str(sent) if saved else None
 
 
 def _attack_all(store: AuditStore, settings: AttackSettings, plan: ModelPlan | None,
                 view: InputView, base: Weights, backs: list[Weights],
-                num_examples: int | None) -> list[ClientAudit]:
+                num_examples: int | None, tokenizer: Any = None) -> list[ClientAudit]:
     """Each RETURNED's intake, attack, record and storage, then the round's numbers."""
     t0 = time.perf_counter()
     executor = make_executor(settings)
@@ -192,7 +230,7 @@ def _attack_all(store: AuditStore, settings: AttackSettings, plan: ModelPlan | N
         labels = labels_of([b.path for b in backs])
         for i, (back, label) in enumerate(zip(backs, labels, strict=True), 1):
             facts, work = file_intake(settings, plan, base, back, label=label, node_id=i,
-                                      num_examples=num_examples)
+                                      num_examples=num_examples, tokenizer=tokenizer)
             pending.append((facts, work if isinstance(work, AttackOutcome)
                             else executor.submit(work)))
         for facts, work in pending:
@@ -252,6 +290,8 @@ def _ordered(sent: Weights, model: Any) -> tuple[Weights, str | None]:
 
 
 def _name(model: Any) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        return str(model)
     kind = model if isinstance(model, type) else type(model)
     return f"{kind.__module__}:{kind.__qualname__}"
 

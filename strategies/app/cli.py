@@ -54,7 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=AttackSettings.max_seconds,
                    metavar="S", help="soft time budget of one attack (default: %(default)s)")
     p.add_argument("--model", default=None, metavar="MODULE:CLASS", help="the clients' model "
-                   "(pictures from features, the layers' order of a .safetensors SENT)")
+                   "(pictures from features, the layers' order of a .safetensors SENT); for a "
+                   "language model also a checkpoint folder with config.json (default: SENT's)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a language model's "
+                   "tokenizer folder, to decode the sentences read (default: SENT's)")
     p.add_argument("--input-shape", type=_shape, default=None, metavar="C,H,W",
                    help="the model's input shape, to show reconstructions as pictures")
     p.add_argument("--input-transform", nargs=2, type=_floats, default=None,
@@ -110,15 +113,19 @@ def _audit(args: argparse.Namespace) -> Any:
                                          else tuple(args.input_transform)),
                         out=args.out, run_name=args.run_name, fail_on=args.fail_on,
                         tensorboard=args.tensorboard,
-                        reconstructions=not args.no_reconstructions, settings=settings)
+                        reconstructions=not args.no_reconstructions,
+                        tokenizer=args.tokenizer, settings=settings)
 
 
 def _model(spec: str | None) -> Any:
-    """The class ``--model MODULE:CLASS`` names (the working directory is importable)."""
+    """The class ``--model MODULE:CLASS`` names (the working directory is importable), or a
+    checkpoint folder's path as it is."""
     if not spec:
         return None
     import os
 
+    if os.path.isdir(spec):
+        return spec
     from fl_attack_flwr.app.run_config import model_factory
 
     if os.getcwd() not in sys.path:
@@ -158,7 +165,9 @@ def _shape(text: str) -> tuple[int, int, int]:
 def _line(record: Any) -> str:
     """One client's result in a line: status, batch size, λ, seconds, layer, why."""
     parts = [f"{record.client_label}: {record.status}"]
-    if record.batch_size is not None:
+    if record.text is not None:
+        parts.append(f"{record.text.get('sentences_read', 0)} sentence(s) read")
+    elif record.batch_size is not None:
         parts.append(f"B = {record.batch_size}")
     if record.sparsity_match is not None:
         parts.append(f"λ = {record.sparsity_match:.4f}")

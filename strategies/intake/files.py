@@ -3,11 +3,11 @@ users save them, checked and turned into the facts and work of a reply.
 
 Auditors often hold checkpoints rather than a running federation. This module reads them
 (:func:`load_weights`: a PyTorch state dict ``.pt`` / ``.pth`` / ``.bin``, a NumPy ``.npz``, a
-``.safetensors`` file), refuses at once what cannot be an update of the sent model
-(:func:`check_update`: a missing or extra array, another shape, no real numbers, NaN; a layer
-the model lacks), and hands the pair to the reply's own intake
-(:func:`fl_attack_flwr.intake.update.update_work`), so that a reply from files is attacked,
-recorded and stored exactly as one from Flower.
+``.safetensors`` file, a ``transformers`` checkpoint folder, sharded or not), refuses at once
+what cannot be an update of the sent model (:func:`check_update`: a missing or extra array,
+another shape, no real numbers, NaN; a layer the model lacks), and hands the pair to the
+reply's own intake (:func:`fl_attack_flwr.intake.update.update_work`), so that a reply from
+files is attacked, recorded and stored exactly as one from Flower.
 
 A PyTorch file is loaded with ``torch.load(weights_only=True)``: only tensors and plain
 containers are unpickled, never arbitrary objects. A whole pickled ``nn.Module`` or a dict
@@ -67,22 +67,59 @@ def load_weights(path: PathLike) -> Weights:
     ['bias', 'weight']
     """
     path = Path(path)
-    if not path.is_file():
+    file = checkpoint_dir(path) or path
+    if not file.is_file():
         raise WeightsFileError(f"{path}: no such file" if not path.exists()
-                               else f"{path}: not a file")
-    suffix = path.suffix.lower()
-    if suffix in TORCH_SUFFIXES:
-        arrays, ordered = _torch_file(path), True
+                               else f"{path}: not a file (a folder stands for one checkpoint "
+                                    f"when it holds {' or '.join(CHECKPOINT_FILES)})")
+    suffix = file.suffix.lower()
+    if file.name.endswith(".safetensors.index.json"):
+        arrays, ordered = _sharded(file), False
+    elif suffix in TORCH_SUFFIXES:
+        arrays, ordered = _torch_file(file), True
     elif suffix == ".npz":
-        arrays, ordered = _npz_file(path), True
+        arrays, ordered = _npz_file(file), True
     elif suffix == ".safetensors":
-        arrays, ordered = _safetensors_file(path), False
+        arrays, ordered = _safetensors_file(file), False
     else:
         raise WeightsFileError(f"{path}: unknown weights format {path.suffix!r}; expected one "
                                f"of {list(SUFFIXES)}")
     if not arrays:
         raise WeightsFileError(f"{path}: holds no arrays")
     return Weights(path, arrays, ordered)
+
+
+#: The files of a ``transformers`` checkpoint folder (``save_pretrained``), in the order tried:
+#: the index of a sharded checkpoint, then a single file.
+CHECKPOINT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+
+
+def checkpoint_dir(path: Path) -> Path | None:
+    """The weights file of a ``transformers`` checkpoint folder (its shards' index, or its one
+    file), or ``None`` when ``path`` is not such a folder."""
+    if not path.is_dir():
+        return None
+    return next((path / f for f in CHECKPOINT_FILES if (path / f).is_file()), None)
+
+
+def _sharded(index: Path) -> dict[str, np.ndarray]:
+    """The arrays of a sharded ``.safetensors`` checkpoint, from its index's ``weight_map``."""
+    import json
+
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WeightsFileError(f"{index}: not a sharded checkpoint's index (a JSON object "
+                               f"with a weight_map): {exc}") from None
+    arrays: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        part = _safetensors_file(index.parent / shard)
+        arrays.update({k: v for k, v in part.items() if weight_map.get(k) == shard})
+    missing = sorted(set(weight_map) - set(arrays))
+    if missing:
+        raise WeightsFileError(f"{index}: the shards lack {missing[:3]} named in its "
+                               "weight_map")
+    return arrays
 
 
 def _torch_file(path: Path) -> dict[str, np.ndarray]:
@@ -158,7 +195,9 @@ def returned_paths(paths: Sequence[PathLike]) -> list[Path]:
     (sorted by name). ``WeightsFileError`` for a folder with none, or no path at all."""
     out: list[Path] = []
     for item in map(Path, paths):
-        if item.is_dir():
+        if checkpoint_dir(item) is not None:
+            out.append(item)
+        elif item.is_dir():
             found = sorted(p for p in item.iterdir()
                            if p.is_file() and p.suffix.lower() in SUFFIXES)
             if not found:
@@ -229,10 +268,10 @@ def labels_of(paths: Sequence[Path]) -> list[str]:
 
 def file_intake(settings: AttackSettings, model: ModelPlan | None, sent: Weights,
                 returned: Weights, *, label: str, node_id: int, num_examples: int | None,
-                server_round: int = 1) -> tuple[ReplyFacts, Work]:
+                server_round: int = 1, tokenizer: Any = None) -> tuple[ReplyFacts, Work]:
     """The facts and work of one RETURNED file against SENT, through the reply's own intake
     (:func:`~fl_attack_flwr.intake.update.update_work`). The files must have passed
     :func:`check_update`; ``returned`` is read in ``sent``'s order of arrays."""
     facts = ReplyFacts(server_round, node_id, label=label, num_examples=num_examples)
     back = {k: returned.arrays[k] for k in sent.arrays}
-    return update_work(settings, model, facts, sent.arrays, back)
+    return update_work(settings, model, facts, sent.arrays, back, tokenizer=tokenizer)

@@ -114,13 +114,16 @@ def build_model(spec: Any, sent: Mapping[str, np.ndarray]) -> Any:
         raise ValueError(f"model must be a transformers config, a model, or a class / factory "
                          f"building one, got {type(spec).__name__}")
     state = model.state_dict()
-    missing = sorted(set(state) - set(sent))
+    given = {state[k].data_ptr() for k in sent if k in state}
+    # a tied weight (lm_head beside the embedding) is saved once by save_pretrained
+    missing = sorted(k for k in set(state) - set(sent) if state[k].data_ptr() not in given)
     extra = sorted(set(sent) - set(state))
     if missing or extra:
         raise ValueError(f"the audit's model does not take the sent arrays: missing "
                          f"{missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
                          f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
-    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in sent.items()})
+    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in sent.items()},
+                          strict=False)
     return model.float().eval()
 
 
