@@ -42,6 +42,7 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "text-source": "wordnet",
     "max-tokens": 32,
     "train-blocks": 0,
+    "lora-rank": 8,
 }
 
 

@@ -6,8 +6,11 @@ their share of real sentences with next-token loss, as Flower's LLM fine-tuning 
   randomly initialised from ``model-seed``: for tests and quick runs);
 * ``text-source``: ``"wordnet"`` or ``"fortunes"`` (``fl_attack.testbed.text.sentences``); the
   sentences of at most ``max-tokens`` tokens, dealt round-robin to the clients;
-* ``protocol``: ``fedsgd`` (one SGD step on ``batch-size`` sentences, ``lr``) or ``fedavg``
-  (``local-epochs`` epochs over them in mini-batches of ``mini-batch-size``);
+* ``protocol``: ``fedsgd`` (one SGD step on ``batch-size`` sentences, ``lr``), ``fedavg``
+  (``local-epochs`` epochs over them in mini-batches of ``mini-batch-size``) or ``lora``
+  (PEFT LoRA adapters of rank ``lora-rank`` on the attention's q and v projections, trained as
+  ``fedavg`` trains, the rest frozen; the global model holds base and adapters, as Flower's
+  LLM examples aggregate them);
 * ``train-blocks``: fine-tune only the first k transformer blocks (0: all), a cheaper job on
   CPUs; the reply still holds every array, the frozen ones unchanged.
 
@@ -34,7 +37,7 @@ from fl_attack_flwr.wire import (
 
 TEXT_MODELS = ("smollm2", "tiny-llama")
 TEXT_SOURCES = ("wordnet", "fortunes")
-TEXT_PROTOCOLS = ("fedsgd", "fedavg")
+TEXT_PROTOCOLS = ("fedsgd", "fedavg", "lora")
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,13 +78,43 @@ def _gguf() -> tuple[str, str]:
     return folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
 
 
-def initial_text_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """The model a text federation starts from (SmolLM2's weights, or a seeded tiny LLaMA)."""
+def initial_text_model(name: str, seed: int = 0, lora_rank: int = 0) -> torch.nn.Module:
+    """The model a text federation starts from (SmolLM2's weights, or a seeded tiny LLaMA),
+    with LoRA adapters of rank ``lora_rank`` when it is positive."""
     if name == "smollm2":
-        return _smollm2()[0]
-    from fl_attack.testbed.text import tiny_llama
+        model = _smollm2()[0]
+    else:
+        from fl_attack.testbed.text import tiny_llama
 
-    return tiny_llama(vocab=len(text_tokenizer()), width=128, seed=seed)
+        model = tiny_llama(vocab=len(text_tokenizer()), width=128, seed=seed)
+    if lora_rank:
+        torch.manual_seed(seed)
+        model = _with_lora(model, lora_rank)
+    return model
+
+
+def _with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                            target_modules=["q_proj", "v_proj"]))
+
+
+def lora_model(name: str, rank: int) -> torch.nn.Module:
+    """A text model with LoRA adapters, its weights random (the messages bring them): what the
+    server's audit and the clients build a ``lora`` federation's model from."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(text_config(name), dtype=torch.float32)
+    return _with_lora(base, rank)
+
+
+def text_architecture(cfg: Mapping[str, Any]) -> Any:
+    """What the audit builds the clients' model from: the config, or for ``lora`` a factory
+    (picklable: a ``functools.partial`` of :func:`lora_model`)."""
+    if cfg["protocol"] == "lora":
+        return functools.partial(lora_model, str(cfg["text-model"]), int(cfg["lora-rank"]))
+    return text_config(str(cfg["text-model"]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,8 +138,9 @@ def text_shards(source: str, max_tokens: int, num_partitions: int) -> tuple[list
 def _model(cfg: Mapping[str, Any], arrays: ArrayRecord) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(text_config(str(cfg["text-model"])),
-                                             dtype=torch.float32)
+    spec = text_architecture(cfg)
+    model = (spec() if callable(spec) else
+             AutoModelForCausalLM.from_config(spec, dtype=torch.float32))
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     return model
 
@@ -133,15 +167,15 @@ def text_train(msg: Message, cfg: Mapping[str, Any], pid: int, nparts: int) -> M
     model = _model(cfg, arrays)
     idx, ids = _batch(cfg, pid, nparts, int(cfg.get("server-round", 1)))
     blocks = int(cfg["train-blocks"])
-    params = [p for n, p in model.named_parameters()
-              if not blocks or _block_of(n) is None or _block_of(n) < blocks]
+    params = [p for n, p in model.named_parameters() if p.requires_grad
+              and (not blocks or _block_of(n) is None or _block_of(n) < blocks)]
     opt = torch.optim.SGD(params, lr=float(cfg["lr"]))
     mini = int(cfg["mini-batch-size"]) or len(ids)
     steps = 1 if cfg["protocol"] == "fedsgd" else int(cfg["local-epochs"]) * -(-len(ids) // mini)
     model.train(False)  # no dropout: the step the server reproduces
     for step in range(steps):
         lo = (step * mini) % len(ids)
-        part = ids[lo:lo + mini] if cfg["protocol"] == "fedavg" else ids
+        part = ids if cfg["protocol"] == "fedsgd" else ids[lo:lo + mini]
         grads = fedsgd_gradients(model, part)
         opt.zero_grad()
         for name, p in model.named_parameters():

@@ -20,8 +20,9 @@ TARGETS = ("each", "aggregate")
 #: The clients' training protocols, and how each one's update is read (an ``update`` above): one
 #: gradient step (FedSGD; DP-SGD is attacked as a gradient even over several steps, because
 #: under noise the FedAvg test stops telling candidates apart) or a sum over local steps
-#: (FedAvg).
-UPDATE_OF_PROTOCOL = {"fedsgd": "gradient", "fedavg": "fedavg", "dpsgd": "gradient"}
+#: (FedAvg; ``lora``: a language model's PEFT adapters, trained as FedAvg trains).
+UPDATE_OF_PROTOCOL = {"fedsgd": "gradient", "fedavg": "fedavg", "dpsgd": "gradient",
+                      "lora": "fedavg"}
 _EVERY = re.compile(r"^every:(\d+)$")
 
 

@@ -76,7 +76,7 @@ def test_fedavg_is_never_certified_with_a_wrong_token(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("setting", "message"), [
     ("text-model=bert", "text-model must be one of"),
-    ("protocol=dpsgd", "protocol must be one of ['fedsgd', 'fedavg'] for task = 'text'"),
+    ("protocol=dpsgd", "protocol must be one of ['fedsgd', 'fedavg', 'lora'] for task = 'text'"),
     ("leak-guard=report", "leak-guard must be empty for task = 'text'"),
     ("train-blocks=1", "train-blocks must be 0 or >= 2"),
 ])

@@ -302,3 +302,16 @@ def test_storage_rounding_is_the_spacing_of_the_stored_weights():
     with pytest.raises(ValueError, match="weights_dtype"):
         invert_text(tt.tiny_llama(), tt.fedsgd_gradients(tt.tiny_llama(), _batch(1)),
                     weights_dtype="int8")
+
+
+def test_the_first_last_token_reading_prefers_a_whole_count_outside_the_inputs():
+    """Input tokens' rows carry the unknown last positions' input gradients (tied embeddings):
+    a larger, fractional coefficient there does not beat a whole count elsewhere."""
+    from fl_attack.text.last_token import _candidates, _first_candidate
+
+    col = torch.zeros(10, dtype=torch.float64)
+    col[3], col[7], col[5] = 1.83, 1.03, 0.6      # 3 is an input token of the batch
+    top = _candidates(col)
+    assert top == [3, 7, 5]
+    assert _first_candidate(col, top, inputs={3, 4}) == [7]
+    assert _first_candidate(col, [3, 5], inputs={3}) == []   # none clean: the caller's largest

@@ -32,9 +32,11 @@ MARGIN = 3.0
 #: Relative residual of the recomputed update, per parameter: float32 rounding with a margin
 #: (measured on SmolLM2, correct reads of 1 to 28 sentences: 3e-7 to 3e-6).
 RESIDUAL = 3e-5
-#: A weight difference's residual energy may exceed the storage rounding's expected energy by
-#: this fraction (the energy of independent errors concentrates within ~1/√n of its mean).
-STORAGE_SLACK = 0.05
+#: A weight difference's residual energy may exceed the storage rounding's expected energy
+#: (plus ``RESIDUAL``'s) by this fraction. Measured on correct SmolLM2 reads (B = 1-16, lr 0.01
+#: to 0.5): 0.98-1.01 of it, and 1.07 on SmolLM2's own GGUF-grid weights; one wrong token
+#: leaves 40x more than allowed.
+STORAGE_SLACK = 0.25
 
 
 @dataclass

@@ -137,13 +137,36 @@ def _read(model: nn.Module, weight: nn.Parameter, obs: torch.Tensor,
             for tok, count in labels:
                 coef[tok, j] += count
     labels, values = [[] for _ in prefixes], [[] for _ in prefixes]
+    inputs = {t for prefix in prefixes for t in prefix}
     for j in range(cols):
         col = coef[:, j]
-        top = torch.nonzero(col > 0.5).flatten()
-        top = top[torch.argsort(col[top], descending=True)][: 1 if first else 8]
+        top = _candidates(col)
+        if first:
+            top = _first_candidate(col, top, inputs) or top[:1]
         labels[j] = [(int(v), min(MAX_COUNT, max(1, round(float(col[v]))))) for v in top]
         values[j] = [float(col[v]) for v in top]
     return Endings(labels, values, alpha)
+
+
+def _candidates(col: torch.Tensor, k: int = 8) -> list[int]:
+    """The ``k`` tokens of largest coefficient above 0.5, largest first."""
+    top = torch.nonzero(col > 0.5).flatten()
+    return [int(v) for v in top[torch.argsort(col[top], descending=True)][:k]]
+
+
+def _first_candidate(col: torch.Tensor, top: list[int], inputs: set[int]) -> list[int]:
+    """The first reading's label of one prefix: the largest candidate that is no input token
+    of the batch and reads as a whole count, when there is one (else none: the largest).
+
+    The first reading leaves every sentence's last label unknown, and with it that position's
+    gradient into the input embeddings: with tied embeddings, the rows of the batch's input
+    tokens then carry a part the reading does not model, and such a token can outweigh the true
+    label (measured: a model one FedSGD round past SmolLM2's weights read " Cape", an input
+    token of another sentence, at 1.83 where the true label read 1.03). Later readings model
+    the labels read, so this matters only for the first."""
+    clean = [v for v in top if v not in inputs and abs(float(col[v]) - round(float(col[v])))
+             <= INTEGER_TOL]
+    return clean[:1]
 
 
 def _head_inputs(heads: torch.Tensor, batch: list[list[int]], prefixes: list[list[int]]

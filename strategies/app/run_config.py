@@ -265,8 +265,10 @@ def _check_values(cfg: Mapping[str, Any]) -> list[str]:
         ("fraction-train", 0 < cfg["fraction-train"] <= 1, "in (0, 1]"),
         ("fraction-evaluate", 0 <= cfg["fraction-evaluate"] <= 1, "in [0, 1]"),
         ("task", cfg["task"] in ("image", "text"), "'image' or 'text'"),
-        ("protocol", cfg["protocol"] in UPDATE_OF_PROTOCOL,
-         f"one of {list(UPDATE_OF_PROTOCOL)}"),
+        ("protocol", cfg["protocol"] in UPDATE_OF_PROTOCOL
+         and (cfg["protocol"] != "lora" or cfg["task"] == "text"),
+         f"one of {[p for p in UPDATE_OF_PROTOCOL if p != 'lora']} (task = 'text': "
+         "fedsgd, fedavg, lora)"),
         ("dataset", cfg["dataset"] in _DATASET_SIZES, f"one of {list(_DATASET_SIZES)}"),
         ("dataset-size", cfg["dataset-size"] >= 0, ">= 0 (0 = all)"),
         ("partitioning", cfg["partitioning"] in PARTITIONINGS, f"one of {list(PARTITIONINGS)}"),
@@ -358,6 +360,7 @@ def _check_text(cfg: Mapping[str, Any]) -> list[str]:
               f"one of {list(TEXT_PROTOCOLS)} for task = 'text'"),
              ("max-tokens", 2 <= cfg["max-tokens"] <= 128, "in 2..128"),
              ("train-blocks", cfg["train-blocks"] >= 0, ">= 0 (0 = every block)"),
+             ("lora-rank", cfg["lora-rank"] >= 1, ">= 1"),
              ("leak-guard", cfg["leak-guard"] == "", "empty for task = 'text' (the client's "
               "LeakGuard covers image models only)"),
              ("audit-target", cfg["audit-target"] == "each", "'each' for task = 'text'")]

@@ -50,8 +50,9 @@ def initial_arrays(cfg: Mapping[str, Any]) -> ArrayRecord:
     if cfg["task"] == "text":
         from fl_attack_flwr.clients.text_task import initial_text_model
 
-        return ArrayRecord(initial_text_model(str(cfg["text-model"]),
-                                              int(cfg["model-seed"])).state_dict())
+        return ArrayRecord(initial_text_model(
+            str(cfg["text-model"]), int(cfg["model-seed"]),
+            int(cfg["lora-rank"]) if cfg["protocol"] == "lora" else 0).state_dict())
     from fl_attack.testbed.data import image_shape
     from fl_attack.testbed.models import relu_mlp
 
@@ -135,11 +136,11 @@ def _image_audit(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _text_audit(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The text task's: the model's architecture, its tokenizer, the clients' sentences."""
-    from fl_attack_flwr.clients.text_task import text_config, text_tokenizer
+    from fl_attack_flwr.clients.text_task import text_architecture, text_tokenizer
     from fl_attack_flwr.results.text import TextTruth
 
     tokenizer = text_tokenizer()
-    return {"model": text_config(str(cfg["text-model"])), "tokenizer": tokenizer,
+    return {"model": text_architecture(cfg), "tokenizer": tokenizer,
             "ground_truth": (TextTruth(str(cfg["text-source"]), tokenizer) if cfg["audit"]
                              else None)}
 

@@ -31,6 +31,8 @@ from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 #: GPT-2: ``c_attn``) and PEFT (``base_layer``, ``lora_A``) name it.
 _FIRST = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn\.q_proj|attn\.c_attn)\."
                     r"(?:weight|base_layer\.weight|lora_A\.[^.]+\.weight)$")
+#: Block 0's attention projections (the token filter reads them), base weights or adapters.
+_ATTN0 = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn|attn)\.")
 #: The parameters the attack reads: blocks 0 and 1, the token embeddings, the output layer.
 _READ = re.compile(r"(?:^|\.)(?:(?:layers|h)\.[01]\.|embed_tokens\.|wte\.|lm_head\.)")
 
@@ -83,9 +85,11 @@ def text_job(sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
     update = {k: np.asarray(sent[k], np.float64) - np.asarray(returned[k], np.float64)
               for k in returned if _READ.search(k) and np.issubdtype(
                   np.asarray(returned[k]).dtype, np.floating)}
-    if not any(np.any(v) for v in update.values()):
-        return AttackOutcome(verdicts.NO_UPDATE, reason="the client sent back the weights it "
-                             "was sent: blocks 0 and 1 and the embeddings did not change")
+    update = {k: v for k, v in update.items() if np.any(v)}  # frozen: no gradient to read
+    if not any(_ATTN0.search(k) for k in update):
+        return AttackOutcome(verdicts.NO_UPDATE, reason=(
+            "block 0's attention projections did not change (frozen, or a fresh LoRA adapter "
+            "whose B is still zero, which gives lora_A no gradient): nothing to read there"))
     dtype = str(np.asarray(returned[layer]).dtype)
     return TextJob(server_round, node_id, label, model, tokenizer,
                    {k: np.asarray(v) for k, v in sent.items()}, update,
