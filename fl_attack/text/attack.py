@@ -197,7 +197,9 @@ def _verdict(family: Family, grads: dict[str, torch.Tensor],
     unproven += _ending_faults(sequences, len(token_ids), batch_size)
     t0 = time.perf_counter()
     residuals: dict[str, float] = {}
-    if token_ids and all(len(t) > 1 for t in token_ids):
+    # recomputed only where it decides: a batch already unproven is not run through the model
+    # (an unsettled reading can hold thousands of sentences)
+    if not unproven and not not_carried and token_ids and all(len(t) > 1 for t in token_ids):
         names = used + ([out_name] if out_name in grads else [])
         check = certify.recompute(family.model, token_ids, {n: grads[n] for n in names},
                                   storage)
