@@ -103,3 +103,36 @@ def test_a_transformer_reply_without_the_model_is_named_not_covered() -> None:
     facts, work = update_work(AttackSettings(), None, ReplyFacts(1, 7), sent, returned)
     assert work.status == "not-covered" and "model=" in work.reason
     assert facts.reads == "text" and facts.layer == "model.layers.0.self_attn.q_proj.weight"
+
+
+def test_lora_updates_get_their_true_reason() -> None:
+    """A fresh adapter (B = 0) gives lora_A no gradient: no update to read, said so; once B
+    has trained, an adapter whose rank the batch reaches is not applicable, said so."""
+    import torch
+
+    from fl_attack.testbed import text as tt
+    from fl_attack_flwr.clients.text_task import _with_lora
+    from fl_attack_flwr.jobs.run import run_job
+    from fl_attack_flwr.jobs.text import text_job
+
+    torch.manual_seed(0)
+    model = _with_lora(tt.tiny_llama(), 4)
+    batch = [[5, 9, 13, 17, 21, 25], [30, 34, 38, 42, 46]]
+
+    def job():
+        sent = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        update = tt.fedavg_update(model, batch, steps=1, lr=0.05)
+        returned = {k: (torch.from_numpy(sent[k]) - update[k]).numpy() if k in update
+                    else sent[k] for k in sent}
+        return text_job(sent, returned, model=model, tokenizer=None, server_round=1,
+                        node_id=1, label="c", num_examples=2, protocol="lora",
+                        max_seconds=30.0)
+
+    fresh = job()
+    assert fresh.status == "no-update" and "lora_A no gradient" in fresh.reason
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    outcome = run_job(job())
+    assert outcome.status == "not-covered" and "adapter" in outcome.reason

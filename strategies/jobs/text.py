@@ -31,8 +31,9 @@ from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 #: GPT-2: ``c_attn``) and PEFT (``base_layer``, ``lora_A``) name it.
 _FIRST = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn\.q_proj|attn\.c_attn)\."
                     r"(?:weight|base_layer\.weight|lora_A\.[^.]+\.weight)$")
-#: Block 0's attention projections (the token filter reads them), base weights or adapters.
-_ATTN0 = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn|attn)\.")
+#: Block 0's attention projections the token filter reads: base weights or LoRA ``lora_A``.
+_ATTN0 = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn|attn)\.[^.]+\."
+                    r"(?:weight|base_layer\.weight|lora_A\.[^.]+\.weight)$")
 #: The parameters the attack reads: blocks 0 and 1, the token embeddings, the output layer.
 _READ = re.compile(r"(?:^|\.)(?:(?:layers|h)\.[01]\.|embed_tokens\.|wte\.|lm_head\.)")
 
