@@ -29,9 +29,12 @@ from fl_attack.text.batch import logits_and_head_inputs, next_token_loss, padded
 
 #: Kept scores must sit this many times below the nearest rejected one.
 MARGIN = 3.0
-#: Relative residual of the recomputed update, per parameter: float32 rounding with a margin
-#: (measured on SmolLM2, correct reads of 1 to 28 sentences: 3e-7 to 3e-6).
-RESIDUAL = 3e-5
+#: Relative residual of the recomputed update, per parameter: the float32 disagreement of two
+#: machines computing one gradient, with a margin. Measured on SmolLM2: 3e-7 to 3e-6 where the
+#: client and the server compute alike, up to 1.1e-4 where their thread counts differ (a Flower
+#: client on one thread, the audit on two). One wrong token leaves at least 0.4 (B = 1-16), and
+#: at most ~1/√N over N labelled positions can hide it (0.04 at the width bound N = 576).
+RESIDUAL = 1e-3
 #: A weight difference's residual energy may exceed the storage rounding's expected energy
 #: (plus ``RESIDUAL``'s) by this fraction. Measured on correct SmolLM2 reads (B = 1-16, lr 0.01
 #: to 0.5): 0.98-1.01 of it, and 1.07 on SmolLM2's own GGUF-grid weights; one wrong token
