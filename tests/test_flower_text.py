@@ -3,8 +3,8 @@ real WordNet sentences) on Flower's simulation engine, and the audit reads their
 
 Contracts: every FedSGD update of a few short sentences is read and certified, and certified
 only when every sentence is the client's token for token; the sentences are stored owner-only
-and never in ``metrics.jsonl``; the report shows them beside the clients' own; a FedAvg update
-is never certified with a wrong token; bad text settings stop the run before it starts.
+and never in ``metrics.jsonl``; the report shows them beside the clients' own; a FedAvg or LoRA
+update gets an honest verdict; bad text settings stop the run before it starts.
 """
 
 from __future__ import annotations
@@ -66,12 +66,28 @@ def test_fedsgd_sentences_are_read_certified_and_kept_private(tmp_path: Path) ->
     assert all(r["original"].replace("'", "&#x27;") in report for r in read)
 
 
-def test_fedavg_is_never_certified_with_a_wrong_token(tmp_path: Path) -> None:
-    _, lines, _ = _simulate(tmp_path, "fedavg", protocol="fedavg", **{
-        "local-epochs": 2, "mini-batch-size": 1, "lr": 0.01})
-    assert len(lines) == 3
-    _certified_only_when_exact(lines)
-    assert all(line["reason"] or line["error"] for line in lines)
+def test_fedavg_is_never_certified_with_a_wrong_token() -> None:
+    """Several local steps over mini-batches: whatever is read, a certificate means every
+    sentence is the client's, token for token."""
+    import torch
+
+    from fl_attack.testbed import text as tt
+    from fl_attack_flwr.jobs.run import run_job
+    from fl_attack_flwr.jobs.text import text_job
+
+    model = tt.tiny_llama(seed=4)
+    batch = [[5, 9, 13, 17, 21, 25], [30, 34, 38, 42, 46], [50, 7, 61, 70]]
+    sent = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    for steps, mini in ((2, 1), (3, None)):
+        update = tt.fedavg_update(model, batch, steps=steps, lr=0.01, minibatch=mini)
+        returned = {k: (torch.from_numpy(sent[k]) - update[k]).numpy() if k in update
+                    else sent[k] for k in sent}
+        outcome = run_job(text_job(sent, returned, model=model, tokenizer=None,
+                                   server_round=1, node_id=1, label="c", num_examples=3,
+                                   protocol="fedavg", max_seconds=30.0))
+        assert outcome.reason, outcome
+        if outcome.status == "certified":
+            assert sorted(outcome.text["token_ids"]) == sorted(batch)
 
 
 @pytest.mark.parametrize(("setting", "message"), [

@@ -8,6 +8,8 @@ server's executors and the client's ``LeakGuard`` run the same code.
 ``jobs.model_plan``        the user's model around the attacked layer, and a job's pixel task
 ``jobs.run``               ``run_job``: ``fl_attack.invert`` under each reading, the verdict
 ``jobs.pixels``            pictures from exact features, inside the job (SPEAR §6.4)
+``jobs.text``              a language model's update: ``TextJob`` and ``run_text_job``
+                           (``fl_attack.text.invert_text``, DAGER)
 ``jobs.outcome``           ``AttackOutcome``: what every job gives back, plain data
 =========================  ====================================================================
 """

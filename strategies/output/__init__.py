@@ -7,6 +7,7 @@ the privacy gate.
 ``output.summary``         ``summary.json``: the run's totals and the verdict in plain words
 ``output.progress``        leakage per round beside the model's accuracy
 ``output.report``          ``report.html``: one self-contained page
+``output.text_report``     the report's words, tables and sentences for language models
 ``output.png``             image grids as PNG
 ``output.privacy_gate``    ``fail-on``: fail a run whose clients leak (``PrivacyGateError``)
 =========================  ====================================================================

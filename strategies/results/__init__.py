@@ -5,5 +5,7 @@
                            pictures; the round's numbers and log lines
 ``results.pictures``       reconstructed inputs as pictures, and scored against the truth
                            (``InputView``, ``GroundTruth``)
+``results.text``           the sentences read off a language model's update, scored against
+                           the truth (``TextTruth``, ROUGE, exact by token ids)
 =========================  ====================================================================
 """
