@@ -100,14 +100,10 @@ class AuditingStrategy(EvaluationLog):
         attacked layer is not the first (a CNN's ``fc1``), the attack recovers that layer's
         input features exactly, and the model turns them into pictures: the server runs the
         layers before it with the weights it sent (``fl_attack.pixels``). It also lets the
-        audit check what the attack assumes (a ReLU right after the attacked layer). For a
-        language model (replies holding a transformer's attention blocks, read with the text
-        attack, DAGER): its architecture, as a ``transformers`` config (picklable, built with
-        ``AutoModelForCausalLM.from_config``), a model instance, or a class / factory; the
-        weights are always the ones the server sent.
+        audit check what the attack assumes (a ReLU right after the attacked layer). A language
+        model's (the text attack, DAGER): a ``transformers`` config, a model, or a factory.
     tokenizer : tokenizer or str, optional
-        A language model's tokenizer (or a path to load it from): the sentences read are
-        decoded with it. Without it they are token ids.
+        A language model's tokenizer (or its path), to decode the sentences read.
     pixel_seconds : float
         Time budget of the pictures estimated from features, per update.
     enabled : bool

@@ -106,16 +106,11 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
     update, max_seconds : optional
         How to read the update (``"auto"``, ``"gradient"``, ``"fedavg"``) and the soft time
         budget of one attack; default those of ``settings``.
-    model, input_shape, input_transform, pixel_seconds
+    model, tokenizer, input_shape, input_transform, pixel_seconds
         The clients' model (an instance, or a class or factory without arguments), its input
         shape and normalisation, and the pictures' budget, as ``AuditingStrategy`` takes them.
-        The model also gives a ``.safetensors`` SENT the order of its arrays. For a language
-        model (read with the text attack): its architecture, as a ``transformers`` config, a
-        checkpoint folder holding ``config.json``, a model, or a class / factory; default the
-        ``config.json`` beside a SENT checkpoint folder.
-    tokenizer : tokenizer or path, optional
-        A language model's tokenizer, to decode the sentences read; default the one saved in
-        a SENT checkpoint folder.
+        The model also orders a ``.safetensors`` SENT's arrays. A language model's may be a
+        checkpoint folder (default SENT's); ``tokenizer`` (or its path) too.
     out, run_name : optional
         The run directory ``<out>/<run_name>/`` (default a fresh name), created owner-only.
     fail_on : {"", "certified", "readable", "reconstructed"}
@@ -143,23 +138,28 @@ def audit_update(sent: Source, returned: Source | Sequence[Source], *,
     """
     base, backs, settings, note = _inputs(sent, returned, num_examples, fail_on, model,
                                           _Given(settings, layer, update, max_seconds))
-    if text_layer(base.arrays) is not None:
+    text = text_layer(base.arrays) is not None
+    if text:
         model, tokenizer = _text_model(base.path, model), _text_tokenizer(base.path, tokenizer)
     view = InputView(None, input_shape, input_transform)
     plan = None if model is None else ModelPlan(model, input_shape=view.model_shape(),
                                                  bounds=view.bounds(), max_seconds=pixel_seconds)
-    config = {"sent": str(base.path), "returned": [str(b.path) for b in backs],
-              "num-examples": num_examples, "layer": settings.weight_key or "",
-              "update": settings.update, "max-seconds": settings.max_seconds,
-              "fail-on": fail_on, "model": "" if model is None else _name(model)}
-    if text_layer(base.arrays) is not None:
-        config.pop("layer")
-    store = AuditStore(out, run_name, config=config, reconstructions=reconstructions,
-                       tensorboard=tensorboard)
+    store = AuditStore(out, run_name, config=_config(base, backs, num_examples, settings,
+                                                     fail_on, model, text),
+                       reconstructions=reconstructions, tensorboard=tensorboard)
     store.notes += [note] if note else []
     records = _attack_all(store, settings, plan, view, base, backs, num_examples, tokenizer)
     summary = store.finalize({"status": "completed"})
     return SavedAudit(store.run_dir, summary, records, gate_failure(summary, fail_on))
+
+
+def _config(base: Weights, backs: list[Weights], num_examples: int | None,
+            settings: AttackSettings, fail_on: str, model: Any, text: bool) -> dict[str, Any]:
+    """The run's configuration as ``config.json`` and the report show it."""
+    return {"sent": str(base.path), "returned": [str(b.path) for b in backs],
+            "num-examples": num_examples, **({} if text else {"layer": settings.weight_key or ""}),
+            "update": settings.update, "max-seconds": settings.max_seconds,
+            "fail-on": fail_on, "model": "" if model is None else _name(model)}
 
 
 @dataclass(frozen=True)
