@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,9 @@ class Intake:
     model's architecture)."""
     tokenizer: Any = None
     """Decodes a language model's token ids (``jobs.text``)."""
+    decoded: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, compare=False)
+    """The sent ArrayRecords decoded once per round (by ``id``): every reply's job shares
+    them (a language model's are hundreds of MB)."""
 
 
 def sample_replies(settings: AttackSettings, rng: random.Random, server_round: int,
@@ -237,7 +240,9 @@ def _with_job(ctx: Intake, facts: ReplyFacts, sent: ArrayRecord | None,
     if sent is None:
         return facts, AttackOutcome(verdicts.ATTACK_ERROR, error="the server has no record of "
                                     "the arrays it sent this node")
-    return update_work(ctx.settings, ctx.model, facts, {k: v.numpy() for k, v in sent.items()},
+    if id(sent) not in ctx.decoded:
+        ctx.decoded[id(sent)] = {k: v.numpy() for k, v in sent.items()}
+    return update_work(ctx.settings, ctx.model, facts, ctx.decoded[id(sent)],
                        {k: v.numpy() for k, v in returned.items()}, tokenizer=ctx.tokenizer)
 
 
