@@ -61,6 +61,8 @@ class Client:
     label: str
     model: torch.nn.Module
     update: Callable[[list[list[int]], int], dict[str, torch.Tensor]]
+    weights_dtype: str | None = None
+    """Set where the update is a weight difference (``invert_text(weights_dtype=...)``)."""
 
 
 def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
@@ -70,6 +72,10 @@ def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
                       + (f" mb={args.minibatch}" if args.minibatch else ""), model,
                       lambda ids, i: tt.fedavg_update(model, ids, steps=args.steps, lr=args.lr,
                                                       minibatch=args.minibatch))
+    if args.update == "weights":
+        return Client(f"FedSGD weights lr={args.lr:g}", model,
+                      lambda ids, i: tt.fedavg_update(model, ids, steps=1, lr=args.lr),
+                      weights_dtype="float32")
     if args.update == "dpsgd":
         return Client(f"DP-SGD C={args.clip:g} σ={args.sigma:g}", model,
                       lambda ids, i: tt.dpsgd_gradients(model, ids, clip=args.clip,
@@ -79,6 +85,21 @@ def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
         return Client(f"LoRA r={args.rank} (q, v), FedSGD", lora,
                       lambda ids, i: tt.fedsgd_gradients(lora, ids))
     return Client("FedSGD", model, lambda ids, i: tt.fedsgd_gradients(model, ids))
+
+
+def train(model: torch.nn.Module, tok, steps: int, lr: float = 0.05) -> None:
+    """``steps`` SGD steps of next-token fine-tuning on batches of 8 WordNet sentences (the
+    tuning source, never the one measured)."""
+    if not steps:
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    batches = list(tt.batches("wordnet", 8, steps, seed=7, max_tokens=32, tokenizer=tok))
+    for batch in batches:
+        grads = tt.fedsgd_gradients(model, [tok(s).input_ids for s in batch])
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            p.grad = grads.get(name)
+        opt.step()
 
 
 def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: int, seed: int,
@@ -91,7 +112,8 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
         ids = [tok(s).input_ids for s in batch]
         grads = client.update(ids, i)
         t0 = time.perf_counter()
-        rec = invert_text(client.model, grads, max_seconds=max_seconds)
+        rec = invert_text(client.model, grads, max_seconds=max_seconds,
+                          weights_dtype=client.weights_dtype)
         secs.append(time.perf_counter() - t0)
         sc = tt.score_text(rec.token_ids, ids, tok.decode)
         scores.append(sc)
@@ -133,11 +155,15 @@ def main(argv: list[str] | None = None) -> None:
                         default=[1, 2, 4, 8, 16])
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="longest sentence, in the model's tokens")
-    parser.add_argument("--update", choices=("fedsgd", "fedavg", "dpsgd", "lora"),
+    parser.add_argument("--trained", type=int, default=0, metavar="K",
+                        help="first train the model K SGD steps (lr 0.05, B = 8) on WordNet's "
+                             "sentences, as a federation that has run for a while")
+    parser.add_argument("--update", choices=("fedsgd", "fedavg", "dpsgd", "lora", "weights"),
                         default="fedsgd")
     parser.add_argument("--rank", type=int, default=8, help="LoRA adapter rank")
     parser.add_argument("--steps", type=int, default=2, help="FedAvg local steps")
-    parser.add_argument("--lr", type=float, default=1e-4, help="FedAvg learning rate")
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="the client's learning rate (FedAvg, weights)")
     parser.add_argument("--minibatch", type=int, default=None, help="FedAvg mini-batch size")
     parser.add_argument("--sigma", type=float, default=1e-3, help="DP-SGD noise multiplier")
     parser.add_argument("--clip", type=float, default=1.0, help="DP-SGD clipping norm")
@@ -149,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     harness.check_run_args(parser, args)
     torch.set_grad_enabled(True)
     model, tok = load(args.model)
+    train(model, tok, args.trained)
     client = make_client(args, model)
+    if args.trained:
+        client.label += f", after {args.trained} steps"
     harness.start_section(args.out, TITLE, INTRO, [
         harness.section_heading(MODULE, argv), "", harness.machine_line("cpu"), "",
         *harness.table_header(COLUMNS)])
