@@ -166,6 +166,7 @@ def run_text_job(job: TextJob) -> AttackOutcome:
     ids = facts.pop("token_ids")
     evidence = facts.pop("sequences")
     facts["sentences_read"] = len(ids)
+    facts["peak_rss_gb"] = _peak_rss_gb()
     text = {"token_ids": ids, "evidence": evidence,
             "sentences": None if tokenizer is None else [tokenizer.decode(t) for t in ids],
             "pieces": None if tokenizer is None else [[tokenizer.decode([i]) for i in t]
@@ -174,6 +175,13 @@ def run_text_job(job: TextJob) -> AttackOutcome:
     return AttackOutcome(status, reason=rec.reason, reading="gradient",
                          seconds=time.perf_counter() - t0, reconstruction=facts,
                          protected_by=protected_by, text=text)
+
+
+def _peak_rss_gb() -> float:
+    """The peak resident size of the process the attack ran in, so far (GB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def _status(rec: Any) -> tuple[str, str | None]:
