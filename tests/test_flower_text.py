@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from fl_attack_flwr.output.private_files import records_from_jsonl
 
@@ -90,20 +89,21 @@ def test_fedavg_is_never_certified_with_a_wrong_token() -> None:
             assert sorted(outcome.text["token_ids"]) == sorted(batch)
 
 
-@pytest.mark.parametrize(("setting", "message"), [
-    ("text-model=bert", "text-model must be one of"),
-    ("protocol=dpsgd", "protocol must be one of ['fedsgd', 'fedavg', 'lora'] for task = 'text'"),
-    ("leak-guard=report", "leak-guard must be empty for task = 'text'"),
-    ("train-blocks=1", "train-blocks must be 0 or >= 2"),
-])
-def test_a_bad_text_setting_exits_2_before_anything_runs(tmp_path: Path, setting: str,
-                                                         message: str) -> None:
+def test_bad_text_settings_exit_2_naming_each_before_anything_runs(tmp_path: Path) -> None:
+    bad = {"text-model=bert": "text-model must be one of",
+           "protocol=dpsgd": "protocol must be one of ['fedsgd', 'fedavg', 'lora'] for task = "
+                             "'text'",
+           "leak-guard=report": "leak-guard must be empty for task = 'text'",
+           "train-blocks=1": "train-blocks must be 0 or >= 2"}
     args = [sys.executable, "-m", "experiments.demo", "--set", f"output-dir={tmp_path}",
-            "--set", "task=text", "--set", setting]
+            "--set", "task=text"]
+    for setting in bad:
+        args += ["--set", setting]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    for message in bad.values():
+        assert message in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
