@@ -104,8 +104,8 @@ def _run(family: Family, grads: dict[str, torch.Tensor],
         spans, used = _spans(family, grads, storage)
     except NotIdentifiable as err:
         stopped = "not-applicable" if err.reason == "adapter-rank" else "not-identifiable"
-        return TextReconstruction([], [], False, stopped, str(err), family=family.name,
-                                  seconds=clock.elapsed())
+        return TextReconstruction([], [], False, stopped, str(err), limit=err.reason,
+                                  family=family.name, seconds=clock.elapsed())
     clock.tick("spans", t0)
     t0 = time.perf_counter()
     bag = filter_tokens(family, spans["attn0"], deadline=clock.deadline)

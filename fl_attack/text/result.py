@@ -55,6 +55,10 @@ class TextReconstruction:
         ``"not-applicable"`` (a LoRA adapter whose rank the batch's positions reach).
     reason : str
         The verdict in words: what was read and, where not certified, why.
+    limit : str | None
+        Where ``stopped`` is ``"not-identifiable"`` or ``"not-applicable"``: why, as
+        ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``, ``"no-signal"``,
+        ``"adapter-rank"``).
     not_carried : list[str]
         What the update does not hold, named, never guessed (e.g. the last tokens when the
         output layer's gradient is absent).
@@ -80,6 +84,7 @@ class TextReconstruction:
     certified: bool
     stopped: str
     reason: str
+    limit: str | None = None
     not_carried: list[str] = field(default_factory=list)
     family: str = ""
     ranks: dict[str, int] = field(default_factory=dict)

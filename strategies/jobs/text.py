@@ -187,7 +187,7 @@ def _peak_rss_gb() -> float:
 def _status(rec: Any) -> tuple[str, str | None]:
     """The plugin's status of a ``TextReconstruction`` (and why it is ``protected``)."""
     if rec.stopped == "not-identifiable":
-        return verdicts.PROTECTED, ("no-signal" if "is zero" in rec.reason else "full-rank")
+        return verdicts.PROTECTED, rec.limit
     if rec.stopped == "not-applicable":
         return verdicts.NOT_COVERED, None
     if rec.certified:
