@@ -272,6 +272,9 @@ def _rounds_section(s: Mapping[str, Any], rounds: Mapping[int, Mapping[str, Any]
             ("audit-attack-seconds", "attack s", 1), ("train-round-seconds", "round s", 1)]
     if not rounds:
         return ""
+    text = is_text_run(records)
+    if text:  # no λ or PSNR for sentences
+        cols = [c for c in cols if c[0] not in ("audit-lambda-mean", "audit-psnr-mean")]
     leak = {r["round"]: r for r in s.get("by_round") or []}
     learning = any(r["accuracy"] is not None for r in leak.values())
     rows = []
@@ -280,14 +283,11 @@ def _rounds_section(s: Mapping[str, Any], rounds: Mapping[int, Mapping[str, Any]
         read = f"{r['read']} of {r['samples']}" if r["attacked"] else "–"
         rows.append([str(rnd)] + ([_pct(r["accuracy"])] if learning else []) + [read]
                     + [fmt(info.get(k), d) if d else fmt(info.get(k)) for k, _, d in cols])
-    header = ["round"] + (["accuracy"] if learning else []) + ["samples read"]
-    if is_text_run(records):
-        keep = [i for i, (k, _, _) in enumerate(cols) if k not in ("audit-lambda-mean",
-                                                                     "audit-psnr-mean")]
-        header[-1] = "sentences read"
-        rows = [row[:len(header)] + [row[len(header) + i] for i in keep] for row in rows]
-        return "<h2>Per round</h2>" + html_table(header + [cols[i][1] for i in keep], rows)
+    header = ["round"] + (["accuracy"] if learning else []) + [
+        "sentences read" if text else "samples read"]
     out = "<h2>Per round</h2>" + html_table(header + [t for _, t, _ in cols], rows)
+    if text:
+        return out
     png = figure_png(records)
     return out + (inline_png(png, "per-round metrics") if png else "")
 
