@@ -125,13 +125,20 @@ def _smollm2() -> tuple[torch.nn.Module, Any]:
 
 
 @functools.lru_cache(maxsize=2)
-def text_shards(source: str, max_tokens: int, num_partitions: int) -> tuple[list[int], ...]:
-    """Per partition, the ids (into ``sentences(source)``) of its sentences: those of at most
-    ``max_tokens`` tokens, dealt round-robin."""
+def text_source(name: str) -> list[str]:
+    """The sentences of a source (``fl_attack.testbed.text.sentences``), read once per
+    process: each round's batch is drawn from them."""
     from fl_attack.testbed.text import sentences
 
+    return sentences(name)
+
+
+@functools.lru_cache(maxsize=2)
+def text_shards(source: str, max_tokens: int, num_partitions: int) -> tuple[list[int], ...]:
+    """Per partition, the ids (into :func:`text_source`) of its sentences: those of at most
+    ``max_tokens`` tokens, dealt round-robin."""
     tok = text_tokenizer()
-    fits = [i for i, s in enumerate(sentences(source)) if len(tok(s).input_ids) <= max_tokens]
+    fits = [i for i, s in enumerate(text_source(source)) if len(tok(s).input_ids) <= max_tokens]
     return tuple(fits[p::num_partitions] for p in range(num_partitions))
 
 
@@ -147,15 +154,13 @@ def _model(cfg: Mapping[str, Any], arrays: ArrayRecord) -> torch.nn.Module:
 
 def _batch(cfg: Mapping[str, Any], pid: int, nparts: int, server_round: int
            ) -> tuple[list[int], list[list[int]]]:
-    from fl_attack.testbed.text import sentences
-
     shard = text_shards(str(cfg["text-source"]), int(cfg["max-tokens"]), nparts)[pid]
     n = int(cfg["batch-size"])
     if n > len(shard):
         raise ValueError(f"batch-size {n} exceeds the {len(shard)} sentences of partition {pid}")
     rng = np.random.default_rng([int(cfg["data-seed"]), pid, server_round])
     idx = sorted(int(i) for i in rng.choice(shard, n, replace=False))
-    tok, source = text_tokenizer(), sentences(str(cfg["text-source"]))
+    tok, source = text_tokenizer(), text_source(str(cfg["text-source"]))
     return idx, [list(tok(source[i]).input_ids) for i in idx]
 
 
@@ -169,6 +174,7 @@ def text_train(msg: Message, cfg: Mapping[str, Any], pid: int, nparts: int) -> M
     blocks = int(cfg["train-blocks"])
     params = [p for n, p in model.named_parameters() if p.requires_grad
               and (not blocks or _block_of(n) is None or _block_of(n) < blocks)]
+    trained = {id(p) for p in params}
     opt = torch.optim.SGD(params, lr=float(cfg["lr"]))
     mini = int(cfg["mini-batch-size"]) or len(ids)
     steps = 1 if cfg["protocol"] == "fedsgd" else int(cfg["local-epochs"]) * -(-len(ids) // mini)
@@ -179,7 +185,7 @@ def text_train(msg: Message, cfg: Mapping[str, Any], pid: int, nparts: int) -> M
         grads = fedsgd_gradients(model, part)
         opt.zero_grad()
         for name, p in model.named_parameters():
-            p.grad = grads.get(name) if any(p is q for q in params) else None
+            p.grad = grads.get(name) if id(p) in trained else None
         opt.step()
     info = {PARTITION_ID_KEY: pid, **({SAMPLE_INDICES_KEY: idx} if cfg["audit"] else {})}
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
