@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_attack_flwr.output.private_files import records_from_jsonl
+from tests.demo_runs import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -37,19 +37,12 @@ def _simulate(tmp_path: Path, name: str, rc: int = 0,
               **config: object) -> tuple[dict, list[dict], Path]:
     """Run one simulation (exit status ``rc``); return its summary, its metrics.jsonl lines and
     its directory."""
-    cfg = {**BASE, **config, "output-dir": str(tmp_path), "run-name": name}
-    args = [sys.executable, "-m", "experiments.demo", "--json"]
-    for key, value in cfg.items():
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420, env=env)
-    run_dir = tmp_path / name
-    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary, lines, run_dir, proc = run_demo(tmp_path, name, {**BASE, **config}, rc=rc,
+                                             env={"RAY_DEDUP_LOGS": "0"})
     summary["stderr"] = proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         k: v for k, v in summary.items() if k != "stderr"}
-    return summary, records_from_jsonl(run_dir / "metrics.jsonl"), run_dir
+    return summary, lines, run_dir
 
 
 def _private(run_dir: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fl_attack_flwr.output.private_files import records_from_jsonl
+from tests.demo_runs import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"task": "text", "text-model": "tiny-llama", "num-server-rounds": 1, "num-clients": 3,
@@ -27,16 +27,8 @@ BASE = {"task": "text", "text-model": "tiny-llama", "num-server-rounds": 1, "num
 
 
 def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[dict], Path]:
-    cfg = {**BASE, **config, "output-dir": str(tmp_path), "run-name": name}
-    args = [sys.executable, "-m", "experiments.demo", "--json"]
-    for key, value in cfg.items():
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    run_dir = tmp_path / name
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return summary, records_from_jsonl(run_dir / "metrics.jsonl"), run_dir
+    summary, lines, run_dir, _ = run_demo(tmp_path, name, {**BASE, **config})
+    return summary, lines, run_dir
 
 
 def _certified_only_when_exact(lines: list[dict]) -> None:

@@ -8,10 +8,6 @@ must carry each client's finding and a refused update must leave the server noth
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +16,8 @@ from flwr.app import Context, Message, RecordDict
 
 from fl_attack_flwr import AttackSettings, AuditingStrategy, LeakGuard, verdicts
 from fl_attack_flwr.clients.leak_guard import GuardFinding
-from fl_attack_flwr.output.private_files import records_from_jsonl
 from fl_attack_flwr.wire import GUARD_CODES, GUARD_KEYS
+from tests.demo_runs import run_demo
 from tests.flower_fakes import (
     arrays_equal,
     configure,
@@ -31,7 +27,6 @@ from tests.flower_fakes import (
     reply,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 CERTIFIED = GuardFinding("certified", readable_samples=8, sparsity_match=1.0, seconds=0.5)
 PROTECTED = GuardFinding("protected", seconds=0.1, reason="mixes at least min(m, n)")
 TIMEOUT = GuardFinding("timeout", sparsity_match=0.91, seconds=30.0)
@@ -193,16 +188,9 @@ def test_the_server_records_the_guard_and_never_reads_a_refused_update(
 def _simulate(tmp_path: Path, name: str, **config: object) -> tuple[dict, list[dict]]:
     cfg = {"num-server-rounds": 1, "num-clients": 2, "dataset": "mnist", "dataset-size": 200,
            "batch-size": 8, "width": 100, "audit": True, "fraction-evaluate": 0.0,
-           "max-seconds": 60.0, "audit-executor": "inline", **config,
-           "output-dir": str(tmp_path), "run-name": name}
-    args = [sys.executable, "-m", "experiments.demo", "--json"]
-    for key, value in cfg.items():
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=420,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return (json.loads((tmp_path / name / "summary.json").read_text()),
-            records_from_jsonl(tmp_path / name / "metrics.jsonl"))
+           "max-seconds": 60.0, "audit-executor": "inline", **config}
+    summary, lines, _, _ = run_demo(tmp_path, name, cfg)
+    return summary, lines
 
 
 def test_report_with_a_guard_that_runs_out_of_time(tmp_path: Path) -> None:
