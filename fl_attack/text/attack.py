@@ -13,7 +13,7 @@ from torch import nn
 
 from fl_attack.core.clock import Clock
 from fl_attack.errors import NotIdentifiable
-from fl_attack.text import certify
+from fl_attack.text import certify, encoder
 from fl_attack.text.families import Family, Reader, family_of
 from fl_attack.text.last_token import INTEGER_TOL, Endings, read_endings
 from fl_attack.text.result import SequenceEvidence, TextReconstruction
@@ -110,6 +110,8 @@ def _run(family: Family, grads: dict[str, torch.Tensor],
     t0 = time.perf_counter()
     bag = filter_tokens(family, spans["attn0"], deadline=clock.deadline)
     clock.tick("tokens", t0)
+    if family.bidirectional:
+        return _run_encoder(family, spans, bag, batch_size, clock)
     t0 = time.perf_counter()
     limit = (spans["attn1"] or spans["mlp"]).rank
     growth = grow(family, bag.candidates, spans, max_prefixes=limit, deadline=clock.deadline)
@@ -131,8 +133,64 @@ def _run(family: Family, grads: dict[str, torch.Tensor],
     sequences = _relative_counts(_sequences(nodes, len(leaves), endings), batch_size)
     rec = _verdict(family, grads, storage, spans, used, bag, growth, sequences, endings,
                    batch_size, clock)
+    rec.bag = _bag(bag)
     rec.seconds = clock.elapsed()
     return rec
+
+
+def _bag(bag: TokenFilter) -> list[int]:
+    return sorted({int(t) for c in bag.candidates for t in c.tolist()})
+
+
+def _run_encoder(family: Family, spans: dict[str, Span | None], bag: TokenFilter,
+                 batch_size: int | None, clock: Clock) -> TextReconstruction:
+    """An encoder's sentences (:mod:`fl_attack.text.encoder`); never certified."""
+    common = dict(family=family.name, bag=_bag(bag),
+                  ranks={k: s.rank for k, s in spans.items() if s is not None})
+    cands = bag.candidates
+    if spans.get("mlp") is None:
+        raise ValueError("an encoder's sentences are searched at block 0's MLP input: the "
+                         f"gradients lack {', '.join(r.name for r in family.readers(0, 'mlp'))}")
+    if bag.stopped == "budget" or not cands:
+        return TextReconstruction([], [], False, "budget" if cands else "complete",
+                                  "the token filter " + ("ran out of time" if cands else
+                                                         "found no token"),
+                                  seconds=clock.elapsed(), **common)
+    found_pairs = encoder.pairs(family, cands, spans["attn0"].rank)
+    if found_pairs is None:
+        pairs = sum(int(c.numel()) for c in cands)
+        return TextReconstruction(
+            [], [], False, "not-identifiable",
+            f"read the batch's {len(common['bag'])} distinct tokens, not where they stand: "
+            f"{pairs} (token, position) pairs lie in block 0's span of rank "
+            f"{spans['attn0'].rank} (tokens repeated across sentences and positions make "
+            "every token fit every position after the embeddings' LayerNorm), so the first "
+            "block does not separate the positions", limit="positions",
+            seconds=clock.elapsed(), **common)
+    t0 = time.perf_counter()
+    options = encoder.layouts(found_pairs, spans["mlp"].rank, batch_size)
+    if not options:
+        return TextReconstruction(
+            [], [], False, "ambiguous",
+            "no sentence lengths fit: the sentences do not all end with the token the "
+            f"longest ends with, or their positions ({spans['mlp'].rank}) do not add up",
+            seconds=clock.elapsed(), **common)
+    found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
+    clock.tick("sequences", t0)
+    sequences = [SequenceEvidence(t, d, None, None) for t, d in zip(found.tokens,
+                                                                    found.distances,
+                                                                    strict=True)]
+    n = len(found.tokens)
+    why = (f"every position's block 0 MLP input lies in its span (largest score "
+           f"{found.worst:.2g}), and the lengths add up to its rank"
+           if found.stopped == "complete" else
+           f"the search ended {found.stopped!r} with a position at score {found.worst:.2g}")
+    return TextReconstruction(
+        found.tokens, sequences, False, found.stopped,
+        f"read {n} sentence(s), not certified: {why}; an encoder's batch is not certified "
+        "(the certificate recomputes the update, which for a classification head needs each "
+        "sentence's label, not read)", timings=dict(clock.timings),
+        seconds=clock.elapsed(), **common)
 
 
 def _with_inner(leaves: list[tuple[list[int], list[tuple[float, float]]]]
@@ -339,7 +397,7 @@ def _validated(family: Family, gradients: Mapping[str, Any]) -> dict[str, torch.
 
     need = names(family.readers(0, "attn"))
     later = names(family.readers(0, "mlp") + family.readers(1, "attn"))
-    wanted = need + later + [family.output_weight()]
+    wanted = need + later + [n for n in [family.output_weight()] if n is not None]
     if not any(n in gradients for n in need):
         raise ValueError(f"gradients lack {', '.join(need)}: block 0's attention projections "
                          "give the token filter")

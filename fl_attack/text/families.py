@@ -14,6 +14,9 @@ Families
              applied after the projections, grouped-query attention, gated MLP.
 ``learned``  GPT-2: LayerNorm, learned absolute positions added to the token embeddings,
              fused ``c_attn`` in ``Conv1D`` layout (weight (in, out)).
+``encoder``  BERT and its relatives (MiniLM): bidirectional attention, learned absolute
+             positions and token types, LayerNorm *after* each residual sum (post-norm), so
+             a block's input is the previous block's normalised output.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class Family:
     name = "family"
     #: Whether block 0's input depends on the position (learned absolute positions).
     positional_inputs = False
+    #: Whether attention sees the whole sentence (encoders): sentences are then searched as
+    #: wholes (:mod:`fl_attack.text.encoder`), not grown as causal prefixes.
+    bidirectional = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -101,12 +107,19 @@ class Family:
         """Parameters whose gradients span ``part`` (``"attn"`` or ``"mlp"``) of ``block``."""
         raise NotImplementedError
 
-    def output_weight(self) -> str:
-        """The name of the output layer's weight (the tied embedding where tied)."""
+    def output_weight(self) -> str | None:
+        """The name of the output layer's weight (the tied embedding where tied); None for a
+        model without a language-model head (an encoder with a classification head)."""
         head = self.root.get_output_embeddings()
         if head is None:
+            if self.bidirectional:
+                return None
             raise UnsupportedModel(f"{type(self.model).__name__} has no output layer")
         return self.name_of(head.weight)
+
+    def max_positions(self) -> int:
+        """The longest sequence the model's position table holds (learned positions)."""
+        raise NotImplementedError
 
     # -- the forward pieces -----------------------------------------------------------
     def embeddings(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
@@ -215,6 +228,9 @@ class Learned(Family):
         b = self.blocks[block]
         return [self.reader(b.attn.c_attn if part == "attn" else b.mlp.c_fc, transpose=True)]
 
+    def max_positions(self) -> int:
+        return int(self.root.transformer.wpe.weight.shape[0])
+
     def embeddings(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         return self.embed.weight[tokens] + self.root.transformer.wpe.weight[position]
 
@@ -238,7 +254,64 @@ class Learned(Family):
         return 1.0 / math.sqrt(attn.head_dim) if attn.scale_attn_weights else 1.0
 
 
-_FAMILIES = {"llama": Rotary, "mistral": Rotary, "qwen2": Rotary, "gpt2": Learned}
+class Encoder(Family):
+    """BERT-style encoders: ``encoder.layer[i]`` with ``attention.self.{query,key,value}``,
+    ``attention.output.{dense,LayerNorm}``, ``intermediate.dense`` and
+    ``output.{dense,LayerNorm}``; embeddings ``word + position + token type`` through
+    ``embeddings.LayerNorm``. Sentences are read with token type 0 (one segment)."""
+
+    name = "encoder"
+    positional_inputs = True
+    bidirectional = True
+
+    @property
+    def _base(self) -> nn.Module:
+        return getattr(self.root, "base_model", self.root)
+
+    def _blocks(self) -> nn.ModuleList:
+        return self._base.encoder.layer
+
+    def max_positions(self) -> int:
+        return int(self._base.embeddings.position_embeddings.weight.shape[0])
+
+    def readers(self, block: int, part: str) -> list[Reader]:
+        b = self.blocks[block]
+        a = b.attention.self
+        return [self.reader(m) for m in ([a.query, a.key, a.value] if part == "attn"
+                                         else [b.intermediate.dense])]
+
+    def embeddings(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        emb = self._base.embeddings
+        x = (self.embed.weight[tokens] + emb.position_embeddings.weight[position]
+             + emb.token_type_embeddings.weight[0])
+        return emb.LayerNorm(x)
+
+    def attn_input(self, block: int, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def qkv(self, x: torch.Tensor, position: int) -> tuple[torch.Tensor, ...]:
+        a = self.blocks[0].attention.self
+        hd = a.attention_head_size
+        return tuple(m(x).unflatten(-1, (-1, hd)) for m in (a.query, a.key, a.value))
+
+    def after_attention(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        out = self.blocks[0].attention.output
+        return out.LayerNorm(h + out.dense(attended))
+
+    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def after_mlp(self, h: torch.Tensor) -> torch.Tensor:
+        b = self.blocks[0]
+        return b.output.LayerNorm(h + b.output.dense(b.intermediate(h)))
+
+    @property
+    def scaling(self) -> float:
+        return 1.0 / math.sqrt(self.blocks[0].attention.self.attention_head_size)
+
+
+_FAMILIES = {"llama": Rotary, "mistral": Rotary, "qwen2": Rotary, "gpt2": Learned,
+             "bert": Encoder}
 
 
 def family_of(model: nn.Module) -> Family:

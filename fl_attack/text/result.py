@@ -58,12 +58,16 @@ class TextReconstruction:
     limit : str | None
         Where ``stopped`` is ``"not-identifiable"`` or ``"not-applicable"``: why, as
         ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``, ``"no-signal"``,
-        ``"adapter-rank"``).
+        ``"adapter-rank"``; ``"positions"``: an encoder's tokens read, their positions not).
+    bag : list[int]
+        Every token the first block's span holds (sorted ids): the batch's tokens, whatever
+        their order, read even where no sentence is (an encoder whose positions the first
+        block does not separate).
     not_carried : list[str]
         What the update does not hold, named, never guessed (e.g. the last tokens when the
         output layer's gradient is absent).
     family : str
-        The adapter that read the model (``"rotary"``, ``"learned"``).
+        The adapter that read the model (``"rotary"``, ``"learned"``, ``"encoder"``).
     ranks : dict[str, int]
         Numerical rank of each span read (``attn0``, ``mlp``: block 0's MLP input, ``attn1``).
     margins : dict[str, float]
@@ -85,6 +89,7 @@ class TextReconstruction:
     stopped: str
     reason: str
     limit: str | None = None
+    bag: list[int] = field(default_factory=list)
     not_carried: list[str] = field(default_factory=list)
     family: str = ""
     ranks: dict[str, int] = field(default_factory=dict)

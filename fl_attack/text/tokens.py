@@ -66,7 +66,7 @@ def filter_tokens(family: Family, span: Span, *, deadline: float | None,
     if not family.positional_inputs:
         ids, acc, rej = _scan(family, span, 0)
         return TokenFilter([ids], acc, rej, twins=_twins(family, ids))
-    limit = max_positions or int(family.root.transformer.wpe.weight.shape[0])
+    limit = max_positions or family.max_positions()
     cands, acc, rej = [], 0.0, float("inf")
     for p in range(limit):
         if passed(deadline):

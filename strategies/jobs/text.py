@@ -165,9 +165,11 @@ def run_text_job(job: TextJob) -> AttackOutcome:
     facts = rec.as_dict()
     ids = facts.pop("token_ids")
     evidence = facts.pop("sequences")
+    bag = facts.pop("bag")                 # the batch's tokens: private, as the sentences
     facts["sentences_read"] = len(ids)
+    facts["tokens_read"] = len(bag)
     facts["peak_rss_gb"] = _peak_rss_gb()
-    text = {"token_ids": ids, "evidence": evidence,
+    text = {"token_ids": ids, "evidence": evidence, "bag": bag,
             "sentences": None if tokenizer is None else [tokenizer.decode(t) for t in ids],
             "pieces": None if tokenizer is None else [[tokenizer.decode([i]) for i in t]
                                                       for t in ids]}
