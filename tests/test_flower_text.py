@@ -81,6 +81,35 @@ def test_fedavg_is_never_certified_with_a_wrong_token() -> None:
             assert sorted(outcome.text["token_ids"]) == sorted(batch)
 
 
+def test_an_encoder_classifier_update_is_read_with_its_labels() -> None:
+    """A BERT sequence classifier's weights after one step: the plugin recognises it by its
+    layer names, rebuilds it from its config and the sent arrays, and reads sentences and
+    labels; certified only when both are the client's."""
+    from transformers import BertConfig
+
+    from fl_attack.testbed import text as tt
+    from fl_attack_flwr.jobs.run import run_job
+    from fl_attack_flwr.jobs.text import text_job, text_layer
+
+    model = tt.tiny_bert(seed=3)
+    batch = [[1, 40, 41, 42, 43, 44, 2], [1, 50, 51, 52, 53, 54, 2]]
+    sent = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    grads = tt.classification_gradients(model, batch, [1, 0])
+    returned = {k: (sent[k] - 0.05 * grads[k].numpy()).astype(np.float32) if k in grads
+                else sent[k] for k in sent}
+    assert text_layer(returned) == "bert.encoder.layer.0.attention.self.query.weight"
+    config = BertConfig(**{k: v for k, v in model.config.to_dict().items()
+                           if k not in ("architectures", "model_type")})
+    outcome = run_job(text_job(sent, returned, model=config, tokenizer=None, server_round=1,
+                               node_id=1, label="c", num_examples=2, protocol="fedsgd",
+                               max_seconds=30.0))
+    text = outcome.text
+    assert outcome.status == "certified", outcome.reason
+    pairs = sorted(zip(text["token_ids"], text["labels"], strict=True))
+    assert pairs == sorted(zip(batch, [1, 0], strict=True))
+    assert "labels" not in outcome.reconstruction and "bag" not in outcome.reconstruction
+
+
 def test_bad_text_settings_exit_2_naming_each_before_anything_runs(tmp_path: Path) -> None:
     bad = {"text-model=bert": "text-model must be one of",
            "protocol=dpsgd": "protocol must be one of ['fedsgd', 'fedavg', 'lora'] for task = "

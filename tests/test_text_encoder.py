@@ -2,7 +2,8 @@
 
 Contracts: the adapter computes block 0 as the model does; the bag of tokens is the batch's;
 sentence lengths are read from where the end token was seen; a batch whose first block
-separates the positions comes back in order; an encoder's batch is never certified.
+separates the positions comes back in order with its labels, certified; a certified batch is
+exact; one wrong token or label, or noise on the update, is never certified.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from fl_attack.testbed import text as tt  # noqa: E402
-from fl_attack.text import invert_text  # noqa: E402
+from fl_attack.text import certify, invert_text  # noqa: E402
 from fl_attack.text.encoder import Layout, Pairs, layouts, mlp_inputs  # noqa: E402
 from fl_attack.text.families import family_of  # noqa: E402
 
@@ -61,26 +62,55 @@ def test_lengths_are_read_from_the_end_token():
                    6, None) == []                 # the sentences do not share an end token
 
 
-def test_separated_positions_come_back_in_order_and_are_never_certified():
+def test_separated_positions_come_back_in_order_with_their_labels_certified():
     model = tt.tiny_bert()
     truth = _sentences(1, [10, 10])
     rec = invert_text(model, tt.classification_gradients(model, truth, [0, 1]))
     assert rec.family == "encoder"
     assert sorted(rec.token_ids) == sorted(truth), rec.reason
     assert rec.stopped == "complete"
-    assert not rec.certified and "not certified" in rec.reason
+    assert rec.certified, rec.reason
+    assert [rec.labels[rec.token_ids.index(t)] for t in truth] == [0, 1]
     assert rec.bag == sorted({t for s in truth for t in s})
     assert all(len(s.span_distances) == len(s.token_ids) for s in rec.sequences)
 
 
+def test_one_wrong_token_or_label_is_not_reproduced():
+    model = tt.tiny_bert()
+    truth = _sentences(4, [9, 7])
+    grads = tt.classification_gradients(model, truth, [1, 0])
+    names = [n for n in grads if "layer.0." in n or "classifier" in n]
+    observed = {n: grads[n] for n in names}
+    assert not certify.recompute(model, truth, observed, labels=[1, 0]).unexplained
+    wrong = [list(truth[0]), truth[1]]
+    wrong[0][3] = truth[0][4]
+    assert certify.recompute(model, wrong, observed, labels=[1, 0]).unexplained
+    assert certify.recompute(model, truth, observed, labels=[0, 0]).unexplained
+    head = model.classifier
+    read = certify.read_labels(model, head, truth, grads["classifier.weight"])
+    assert read is not None and read.labels == [1, 0] and read.scale > 0
+
+
+def test_noise_on_the_update_is_never_certified():
+    model = tt.tiny_bert()
+    truth = _sentences(5, [8, 8])
+    grads = tt.classification_gradients(model, truth, [0, 1])
+    g = torch.Generator().manual_seed(0)
+    noisy = {n: v + 1e-3 * v.abs().max() * torch.randn(v.shape, generator=g)
+             for n, v in grads.items()}
+    rec = invert_text(model, noisy)
+    assert not rec.certified
+
+
 @pytest.mark.parametrize("lengths", [[12, 8, 5], [7, 7, 11]])
-def test_the_bag_is_the_batch_and_a_result_is_never_certified(lengths):
+def test_the_bag_is_the_batch_and_a_certified_result_is_exact(lengths):
     model = tt.tiny_bert()
     truth = _sentences(2, lengths)
     truth[1][3] = truth[0][5]                     # one token shared at two positions
     rec = invert_text(model, tt.classification_gradients(model, truth, [1, 0, 1]))
     assert rec.bag == sorted({t for s in truth for t in s})
-    assert not rec.certified
+    if rec.certified:
+        assert sorted(rec.token_ids) == sorted(truth)
     if rec.token_ids:
         assert rec.stopped in {"complete", "ambiguous", "budget"}
     else:
@@ -100,4 +130,4 @@ def test_minilm_reads_one_real_sentence():
     truth = [tok("The patient is respiring quietly in the ward").input_ids]
     rec = invert_text(model, tt.classification_gradients(model, truth, [1]))
     assert rec.token_ids == truth, rec.reason
-    assert not rec.certified
+    assert rec.certified and rec.labels == [1], rec.reason

@@ -8,6 +8,7 @@ Behind it, one module per step of the attack (``docs/algorithm.md``, "The text a
 ``span``            the span a linear layer's gradient holds, and distances to it
 ``tokens``          step 1, the token filter over the vocabulary (block 0)
 ``sequences``       step 2, sentences grown position by position (block 0's MLP, block 1)
+``encoder``         step 2 for encoders: sentences searched as wholes, lengths, labels
 ``last_token``      step 3, each sentence's last token from the output layer
 ``certify``         step 4, the recovered batch recomputes the update
 ==================  =========================================================================

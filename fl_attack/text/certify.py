@@ -75,7 +75,8 @@ class Recomputed:
 
 def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
               observed: Mapping[str, torch.Tensor],
-              rounding: Mapping[str, torch.Tensor] | None = None) -> Recomputed:
+              rounding: Mapping[str, torch.Tensor] | None = None,
+              labels: Sequence[int] | None = None) -> Recomputed:
     """Recompute the gradient of the parameters in ``observed`` on ``sentences`` and compare.
 
     Parameters
@@ -89,14 +90,21 @@ def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
     rounding
         For a weight difference: parameter name → per entry, the standard deviation of the
         storage rounding (``span.storage_rounding``).
+    labels
+        For a sequence classifier: each sentence's class (the model's own mean cross-entropy,
+        ``labels=``); None for next-token loss.
     """
     params = dict(model.named_parameters())
     names = list(observed)
     device = params[names[0]].device
     ids, mask = padded(sentences, device)
     with torch.enable_grad():
-        logits, _ = logits_and_head_inputs(model, ids, mask)
-        loss, _ = next_token_loss(logits, ids, mask)
+        if labels is not None:
+            loss = model(input_ids=ids, attention_mask=mask,
+                         labels=torch.as_tensor(list(labels), device=device)).loss
+        else:
+            logits, _ = logits_and_head_inputs(model, ids, mask)
+            loss, _ = next_token_loss(logits, ids, mask)
         grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
     obs = [observed[n].double() for n in names]
     rec = [torch.zeros_like(o) if g is None else g.double() for g, o in zip(grads, obs,
@@ -114,3 +122,55 @@ def recompute(model: nn.Module, sentences: Sequence[Sequence[int]],
             energy += (1 + STORAGE_SLACK) * float(rounding[n].pow(2).sum()) / norms[n] ** 2
         allowed[n] = energy ** 0.5
     return Recomputed(alpha, residuals, allowed)
+
+
+@dataclass
+class Labels:
+    """The classes read off a classification head's update.
+
+    Attributes
+    ----------
+    labels : list[int]
+        Per sentence, its class.
+    scale : float
+        The update's scale α (observed ≈ α × the gradient of the mean cross-entropy).
+    """
+
+    labels: list[int]
+    scale: float
+
+
+@torch.no_grad()
+def read_labels(model: nn.Module, head: nn.Linear, sentences: Sequence[Sequence[int]],
+                observed: torch.Tensor) -> Labels | None:
+    """Each sentence's class from the head's weight update, once the sentences are known.
+
+    The head's gradient is ``(α/B) Σ_i (p_i − e_{y_i}) h_iᵀ``: with every ``h_i`` (the head's
+    input) and ``p_i`` (the softmax) computed from the recovered batch, the coefficients
+    ``r_i = α (p_i − e_{y_i})`` are solved for; the label is the one negative entry, α the
+    ratio ``r_ic / p_ic`` of the others. None where the inputs are dependent (solution not
+    unique) or no entry is negative. The recomputed update then judges the reading.
+    """
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+    device = head.weight.device
+    ids, mask = padded(sentences, device)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    finally:
+        hook.remove()
+    h = seen[0].double()                                   # (B, d)
+    p = torch.softmax(logits.double(), dim=-1)             # (B, C)
+    gram = h @ h.T
+    if torch.linalg.matrix_rank(gram) < len(sentences):
+        return None
+    r = torch.linalg.solve(gram, h @ observed.double().T) * len(sentences)   # (B, C)
+    labels, ratios = [], []
+    for ri, pi in zip(r, p, strict=True):
+        y = int(ri.argmin())
+        if float(ri[y]) >= 0:
+            return None
+        others = [c for c in range(len(pi)) if c != y]
+        labels.append(y)
+        ratios += [float(ri[c] / pi[c]) for c in others]
+    return Labels(labels, float(torch.tensor(ratios).median()) if ratios else 1.0)

@@ -121,6 +121,11 @@ class Family:
         """The longest sequence the model's position table holds (learned positions)."""
         raise NotImplementedError
 
+    def classifier(self) -> nn.Linear | None:
+        """A sequence classifier's head (its weight's update gives the labels); None else."""
+        head = getattr(self.root, "classifier", None)
+        return head if isinstance(head, nn.Linear) else None
+
     # -- the forward pieces -----------------------------------------------------------
     def embeddings(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """The residual stream entering block 0 for ``tokens`` at ``position``."""

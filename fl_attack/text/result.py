@@ -59,6 +59,9 @@ class TextReconstruction:
         Where ``stopped`` is ``"not-identifiable"`` or ``"not-applicable"``: why, as
         ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``, ``"no-signal"``,
         ``"adapter-rank"``; ``"positions"``: an encoder's tokens read, their positions not).
+    labels : list[int] | None
+        A sequence classifier's update: each sentence's class, read from the head's update
+        (same order as ``token_ids``); None where not read or not a classifier.
     bag : list[int]
         Every token the first block's span holds (sorted ids): the batch's tokens, whatever
         their order, read even where no sentence is (an encoder whose positions the first
@@ -89,6 +92,7 @@ class TextReconstruction:
     stopped: str
     reason: str
     limit: str | None = None
+    labels: list[int] | None = None
     bag: list[int] = field(default_factory=list)
     not_carried: list[str] = field(default_factory=list)
     family: str = ""

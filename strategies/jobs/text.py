@@ -28,14 +28,19 @@ from fl_attack_flwr import verdicts
 from fl_attack_flwr.jobs.outcome import AttackOutcome, error_outcome
 
 #: Block 0's first attention projection, as ``transformers`` (LLaMA, Mistral, Qwen2: ``q_proj``;
-#: GPT-2: ``c_attn``) and PEFT (``base_layer``, ``lora_A``) name it.
-_FIRST = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn\.q_proj|attn\.c_attn)\."
+#: GPT-2: ``c_attn``; BERT: ``attention.self.query``) and PEFT (``base_layer``, ``lora_A``)
+#: name it.
+_FIRST = re.compile(r"(?:^|\.)(?:(?:layers|h)\.0\.(?:self_attn\.q_proj|attn\.c_attn)|"
+                    r"encoder\.layer\.0\.attention\.self\.query)\."
                     r"(?:weight|base_layer\.weight|lora_A\.[^.]+\.weight)$")
 #: Block 0's attention projections the token filter reads: base weights or LoRA ``lora_A``.
-_ATTN0 = re.compile(r"(?:^|\.)(?:layers|h)\.0\.(?:self_attn|attn)\.[^.]+\."
+_ATTN0 = re.compile(r"(?:^|\.)(?:(?:layers|h)\.0\.(?:self_attn|attn)|"
+                    r"encoder\.layer\.0\.attention\.self)\.[^.]+\."
                     r"(?:weight|base_layer\.weight|lora_A\.[^.]+\.weight)$")
-#: The parameters the attack reads: blocks 0 and 1, the token embeddings, the output layer.
-_READ = re.compile(r"(?:^|\.)(?:(?:layers|h)\.[01]\.|embed_tokens\.|wte\.|lm_head\.)")
+#: The parameters the attack reads: blocks 0 and 1, the token embeddings, the output layer
+#: (a sequence classifier's head: its update gives the labels).
+_READ = re.compile(r"(?:^|\.)(?:(?:layers|h|layer)\.[01]\.|embed_tokens\.|wte\.|lm_head\.|"
+                   r"classifier\.)")
 
 
 def text_layer(keys: Any) -> str | None:
@@ -108,9 +113,15 @@ def build_model(spec: Any, sent: Mapping[str, np.ndarray]) -> Any:
     import torch
 
     if hasattr(spec, "model_type") and hasattr(spec, "to_dict"):  # a transformers config
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        model = AutoModelForCausalLM.from_config(spec, dtype=torch.float32)
+        head = sent.get("classifier.weight")
+        if head is not None:                  # a sequence classifier, its classes as sent
+            spec = copy.deepcopy(spec)
+            spec.num_labels = int(np.shape(head)[0])
+            model = AutoModelForSequenceClassification.from_config(spec, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(spec, dtype=torch.float32)
     elif isinstance(spec, torch.nn.Module):
         model = copy.deepcopy(spec)
     elif callable(spec):
@@ -166,10 +177,11 @@ def run_text_job(job: TextJob) -> AttackOutcome:
     ids = facts.pop("token_ids")
     evidence = facts.pop("sequences")
     bag = facts.pop("bag")                 # the batch's tokens: private, as the sentences
+    labels = facts.pop("labels")           # a classifier's classes: private too
     facts["sentences_read"] = len(ids)
     facts["tokens_read"] = len(bag)
     facts["peak_rss_gb"] = _peak_rss_gb()
-    text = {"token_ids": ids, "evidence": evidence, "bag": bag,
+    text = {"token_ids": ids, "evidence": evidence, "bag": bag, "labels": labels,
             "sentences": None if tokenizer is None else [tokenizer.decode(t) for t in ids],
             "pieces": None if tokenizer is None else [[tokenizer.decode([i]) for i in t]
                                                       for t in ids]}

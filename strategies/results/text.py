@@ -98,8 +98,9 @@ def sentences_of(outcome: AttackOutcome, facts: ReplyFacts,
     ids = [list(map(int, t)) for t in text.get("token_ids") or []]
     texts = text.get("sentences") or [None] * len(ids)
     pieces = text.get("pieces") or [None] * len(ids)
-    read = [{"text": t, "token_ids": i, "pieces": p}
-            for t, i, p in zip(texts, ids, pieces, strict=True)]
+    labels = text.get("labels") or [None] * len(ids)
+    read = [{"text": t, "token_ids": i, "pieces": p, **({} if y is None else {"label": y})}
+            for t, i, p, y in zip(texts, ids, pieces, labels, strict=True)]
     out = Sentences(read=read)
     if truth is None or not facts.sample_indices:
         return out
