@@ -197,6 +197,8 @@ def assemble(family: Family, found: Pairs, spans: dict[str, Span | None],
                 return _found(family, spans, tokens, lengths, "complete")
         if stopped == "budget":
             break
+    if passed(deadline):
+        stopped = "budget"
     if best is None:
         return Found([], [], float("inf"), stopped)
     return _found(family, spans, best[1], best[2], stopped)
