@@ -173,3 +173,22 @@ def test_lora_updates_get_their_true_reason() -> None:
                 p.normal_(0, 0.02)
     outcome = run_job(job())
     assert outcome.status == "not-covered" and "adapter" in outcome.reason
+
+
+def test_an_encoder_read_only_as_words_is_partial_never_protected() -> None:
+    """Tokens read without their positions are a leak in part: the status is ``partial`` and
+    the verdict says the words were read, not their order."""
+    from fl_attack.text import TextReconstruction
+    from fl_attack_flwr.jobs.text import _status
+    from fl_attack_flwr.output.summary import _text_sentences
+
+    rec = TextReconstruction([], [], False, "not-identifiable", "read the batch's tokens",
+                             limit="positions", bag=[1, 5, 9])
+    assert _status(rec) == ("partial", None)
+    full = TextReconstruction([], [], False, "not-identifiable", "full", limit="full-rank")
+    assert _status(full) == ("protected", "full-rank")
+    words = " ".join(_text_sentences({"text_read": 1, "text_certified": 0, "attacked": 1,
+                                      "text_tokens_only": 1, "tokens_only_read": 3,
+                                      "sentences_read": 0, "sentences_certified": 0}))
+    assert "read the words of 1 client update(s) (3 distinct tokens in all), not their order" \
+        in words and "0 sentence(s)" not in words

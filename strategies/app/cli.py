@@ -167,6 +167,8 @@ def _line(record: Any) -> str:
     parts = [f"{record.client_label}: {record.status}"]
     if record.text is not None:
         parts.append(f"{record.text.get('sentences_read', 0)} sentence(s) read")
+        if not record.text.get("sentences_read") and record.text.get("tokens_read"):
+            parts.append(f"{record.text['tokens_read']} distinct token(s) read, not their order")
     elif record.batch_size is not None:
         parts.append(f"B = {record.batch_size}")
     if record.sparsity_match is not None:

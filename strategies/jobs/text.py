@@ -199,7 +199,11 @@ def _peak_rss_gb() -> float:
 
 
 def _status(rec: Any) -> tuple[str, str | None]:
-    """The plugin's status of a ``TextReconstruction`` (and why it is ``protected``)."""
+    """The plugin's status of a ``TextReconstruction`` (and why it is ``protected``). An
+    encoder whose positions did not separate gave the server the batch's tokens (``rec.bag``):
+    read in part, never ``protected``."""
+    if rec.limit == "positions":
+        return verdicts.PARTIAL, None
     if rec.stopped == "not-identifiable":
         return verdicts.PROTECTED, rec.limit
     if rec.stopped == "not-applicable":

@@ -128,8 +128,12 @@ def _text_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
     def sentences(rs: Sequence[ClientAudit]) -> int:
         return sum(int((r.text or {}).get("sentences_read") or 0) for r in rs)
 
+    bags = [r for r in read if not (r.text or {}).get("sentences_read")
+            and (r.text or {}).get("tokens_read")]
+
     return {
-        "text_read": len(read), "text_certified": len(cert),
+        "text_read": len(read), "text_certified": len(cert), "text_tokens_only": len(bags),
+        "tokens_only_read": sum(int(r.text["tokens_read"]) for r in bags),
         "sentences_read": sentences(read), "sentences_certified": sentences(cert),
         "sentences_true": sum(t["sentences_true"] for t in scored),
         "sentences_exact": sum(t["sentences_exact"] for t in scored),
@@ -148,7 +152,8 @@ def _text_sentences(s: Mapping[str, Any]) -> list[str]:
              f"{s['sentences_true']} read exactly (token for token), ROUGE-1 "
              f"{s['rouge1_mean']:.3f}, ROUGE-2 {s['rouge2_mean']:.3f}."
              if s.get("text_scored") else "")
-    cert, more = s["text_certified"], s["text_read"] - s["text_certified"]
+    bags = s.get("text_tokens_only") or 0
+    cert, more = s["text_certified"], s["text_read"] - s["text_certified"] - bags
     if cert:
         out.append(f"The server read {s['sentences_certified']} sentence(s) of {cert} of "
                    f"{attacked} client updates exactly (certified): every token of every "
@@ -157,6 +162,10 @@ def _text_sentences(s: Mapping[str, Any]) -> list[str]:
         out.append(f"{'It read' if cert else 'The server read'} "
                    f"{s['sentences_read'] - s['sentences_certified']} sentence(s) of {more} "
                    f"{'more ' if cert else ''}client update(s) without a certificate.")
+    if bags:
+        out.append(f"{'It' if out else 'The server'} read the words of {bags} "
+                   f"{'more ' if out else ''}client update(s) ({s['tokens_only_read']} distinct "
+                   "tokens in all), not their order: no sentence of those batches was read.")
     return out + ([truth.strip()] if truth else [])
 
 

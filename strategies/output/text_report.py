@@ -117,7 +117,8 @@ TEXT_MEANINGS = {
                      "token (the reason says which check failed); in audit mode 'read "
                      "exactly' says how many are the client's",
     "partial": "the search stopped (time budget, or span checks that do not separate) with "
-               "some sentences read",
+               "some sentences read; or, for an encoder, the batch's words were read but not "
+               "their order",
     "protected": "the update does not show its sentences to this attack: it holds at least as "
                  "many token positions as the model is wide, or noise or rounding fills "
                  "every direction of it (the reason says which)",
@@ -131,12 +132,16 @@ TEXT_WORDS = (
     "the inputs it saw, so while a batch holds fewer token positions than the model is wide, "
     "block 0's attention gradient tells which vocabulary tokens the client's sentences hold, "
     "block 1's orders them into sentences, and the output layer's gradient gives each "
-    "sentence's last token.</dd>"
+    "sentence's last token. An encoder (BERT) with a classification head: its sentences are "
+    "searched as wholes against block 0's MLP span, and each sentence's label is read from "
+    "the head's update.</dd>"
     "<dt>Certified</dt><dd>Every token of every sentence is proven from the update alone: the "
     "tokens and prefixes kept are separated from those rejected with margin, no direction of "
     "the update is left unexplained, every last token is read with a whole count, and the "
     "batch read, run through the model the server sent, reproduces the update on every "
-    "parameter read up to the rounding of the client's float32 weights.</dd>"
+    "parameter read up to the rounding of the client's float32 weights. For an encoder: every "
+    "position lies in block 0's MLP span, and the batch with the labels read reproduces the "
+    "update.</dd>"
     "<dt>Exact, ROUGE</dt><dd>Audit mode only: a sentence is read exactly when every token id "
     "equals the client's (one wrong token and it is not). ROUGE-1 / ROUGE-2: the share of "
     "the client's words / word pairs the server's sentence holds (1 = all).</dd>")

@@ -197,6 +197,8 @@ def build_record(facts: ReplyFacts, outcome: AttackOutcome,
     text = None
     if sentences is not None:
         text = {"sentences_read": len(sentences.read), **(sentences.scores or {})}
+        if found is not None and found.get("tokens_read") is not None:
+            text["tokens_read"] = int(found["tokens_read"])
 
     def from_reconstruction(key: str, kind: type) -> Any:
         value = outcome.reconstruction_field(key)
