@@ -182,18 +182,9 @@ def classification_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]
                              labels: Sequence[int]) -> dict[str, torch.Tensor]:
     """One FedSGD step of sequence classification: right padding (id 0, attention mask 0),
     the model's own mean cross-entropy (``labels=``), every parameter's gradient by name."""
-    n = max(len(t) for t in token_ids)
-    ids = torch.zeros(len(token_ids), n, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(token_ids):
-        ids[i, : len(t)] = torch.as_tensor(list(t))
-        mask[i, : len(t)] = 1
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss = model(input_ids=ids, attention_mask=mask, labels=torch.as_tensor(list(labels))).loss
-    grads = torch.autograd.grad(loss, params)
-    by_id = {id(p): g for p, g in zip(params, grads, strict=True)}
-    return {name: by_id[id(p)].detach() for name, p in model.named_parameters()
-            if id(p) in by_id}
+    ids, mask = _pad(token_ids)
+    return _gradients(model, input_ids=ids, attention_mask=mask,
+                      labels=torch.as_tensor(list(labels)))
 
 
 def tiny_llama(*, vocab: int = 500, width: int = 128, seed: int = 0, tied: bool = True
@@ -230,6 +221,14 @@ def fedsgd_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]], *,
     ``padding_side``, takes the model's own mean next-token loss (``labels=``), and returns
     every parameter's gradient by name. The model's gradients are left untouched.
     """
+    ids, mask = _pad(token_ids, padding_side)
+    labels = ids.masked_fill(mask == 0, -100)
+    return _gradients(model, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _pad(token_ids: Sequence[Sequence[int]], padding_side: str = "right"
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids padded with 0 on ``padding_side`` to the longest sentence, and the attention mask."""
     n = max(len(t) for t in token_ids)
     ids = torch.zeros(len(token_ids), n, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -237,10 +236,14 @@ def fedsgd_gradients(model: nn.Module, token_ids: Sequence[Sequence[int]], *,
         sl = slice(0, len(t)) if padding_side == "right" else slice(n - len(t), n)
         ids[i, sl] = torch.as_tensor(list(t))
         mask[i, sl] = 1
-    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask
+
+
+def _gradients(model: nn.Module, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's gradient of the model's own loss on ``inputs``, by name
+    (the model's ``.grad`` left untouched)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    grads = torch.autograd.grad(loss, params)
+    grads = torch.autograd.grad(model(**inputs).loss, params)
     by_id = {id(p): g for p, g in zip(params, grads, strict=True)}
     return {name: by_id[id(p)].detach() for name, p in model.named_parameters()
             if id(p) in by_id}

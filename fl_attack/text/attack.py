@@ -183,8 +183,7 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
     found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
     clock.tick("sequences", t0)
     t0 = time.perf_counter()
-    labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, bag,
-                                                       found)
+    labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, found)
     clock.tick("certify", t0)
     sequences = [SequenceEvidence(t, d, None, None) for t, d in zip(found.tokens,
                                                                     found.distances,
@@ -205,7 +204,7 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
 
 def _encoder_certificate(family: Family, grads: dict[str, torch.Tensor],
                          storage: dict[str, torch.Tensor] | None, used: list[str],
-                         bag: TokenFilter, found: encoder.Found
+                         found: encoder.Found
                          ) -> tuple[list[int] | None, list[str], dict[str, float]]:
     """The labels read from the head's update, and what keeps the batch from being proven:
     the search not complete, the labels unread, or the update recomputed with the batch and
@@ -213,7 +212,6 @@ def _encoder_certificate(family: Family, grads: dict[str, torch.Tensor],
     for: an encoder's filter keeps pairs the span cannot tell from the batch's by design
     (:mod:`fl_attack.text.encoder`), and a token missed or misplaced leaves the recomputed
     update 0.2-0.65 off (MiniLM), where rounding explains 1e-3."""
-    del bag
     unproven = []
     if found.stopped != "complete":
         unproven.append(f"the search ended {found.stopped!r} with a position at score "

@@ -25,11 +25,12 @@ def padded(sentences: Sequence[Sequence[int]], device: torch.device
     return ids, mask
 
 
-def logits_and_head_inputs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's logits and the output layer's input at every position (a forward hook)."""
+def logits_and_head_inputs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                           head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits and the input of ``head`` (default: the output layer) at every
+    position it sees (a forward hook)."""
     seen: list[torch.Tensor] = []
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings() if head is None else head
     hook = head.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
     try:
         logits = model(input_ids=ids, attention_mask=mask).logits

@@ -151,15 +151,9 @@ def read_labels(model: nn.Module, head: nn.Linear, sentences: Sequence[Sequence[
     ratio ``r_ic / p_ic`` of the others. None where the inputs are dependent (solution not
     unique) or no entry is negative. The recomputed update then judges the reading.
     """
-    seen: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
-    device = head.weight.device
-    ids, mask = padded(sentences, device)
-    try:
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    finally:
-        hook.remove()
-    h = seen[0].double()                                   # (B, d)
+    ids, mask = padded(sentences, head.weight.device)
+    logits, inputs = logits_and_head_inputs(model, ids, mask, head)
+    h = inputs.double()                                    # (B, d)
     p = torch.softmax(logits.double(), dim=-1)             # (B, C)
     gram = h @ h.T
     if torch.linalg.matrix_rank(gram) < len(sentences):
