@@ -88,6 +88,19 @@ class Reconstruction:
     their own through ``next_weight_grad`` (``fl_attack.steps.activations``,
     ``fl_attack.steps.peel``): exact to the update's precision whatever the rest of the
     basis, also when the batch is not certified."""
+    sample_errors: torch.Tensor | None = None
+    """(B,) each row's relative error bound from the update's noise or float32 rounding
+    (``fl_attack.solver.unproven.sample_errors``: the noise edge carried through the solve
+    X = D⁺ G), float64; about 10^-d for a sample the update holds to d digits. A certified
+    batch has every entry within the certificate's bound (``Tuning.noisy_ratio``)."""
+    unproven: tuple[tuple[int, str], ...] = ()
+    """When the batch is not certified: the rows of ``inputs`` that keep it from being
+    proven, each with the first condition it fails, a key of
+    ``fl_attack.solver.unproven.REASONS`` (``"rounding"``, ``"mixture"``, ``"not-found"``,
+    ...). Rows not named pass every per-sample condition; they are exact only if the named
+    ones are (each row of the solve depends on every column). Empty when certified, and
+    empty for a batch kept from its certificate by something no row carries (samples
+    ``merged``, a failed ReLU check of the input side)."""
     budget_exhausted: bool = False
     """True when the time budget (``AttackConfig.max_seconds``) ran out before the search
     ended by its own stop rule, or before the final selection finished: the result is the best
@@ -132,6 +145,7 @@ class Reconstruction:
             "mixed": [list(group) for group in self.mixed],
             "untangled": self.untangled,
             "verified": list(self.verified),
+            "unproven": [[row, why] for row, why in self.unproven],
             "merged": self.merged,
             "batch_size_readings": list(self.batch_size_readings),
             "reading_scores": [round(v, 1) for v in self.reading_scores],

@@ -193,6 +193,32 @@ def _unproven(result: dict[str, Any]) -> str:
             "the update does not prove this reconstruction")
 
 
+#: How the verdict names each reason a sample is not proven (``Reconstruction.unproven``).
+_UNPROVEN_WORDS = {
+    "not-found": "not found by the search (completed from the others)",
+    "rounding": "held by the update only near its noise or float32 rounding",
+    "mixture": "read only up to a mixture with others",
+    "unpinned": "not singled out by their own zero rows",
+    "mismatch": "activation pattern breaking the ReLU law",
+}
+
+
+def unproven_samples(result: dict[str, Any]) -> str | None:
+    """The samples that keep a batch from being proven, by reason, in words (None when the
+    facts name none, or only a batch-wide reason: noise, a FedAvg sum)."""
+    by_reason: dict[str, list[int]] = {}
+    for row, why in result.get("unproven") or []:
+        if why in _UNPROVEN_WORDS:
+            by_reason.setdefault(why, []).append(int(row))
+    if not by_reason:
+        return None
+    parts = []
+    for why, rows in by_reason.items():
+        shown = ", ".join(map(str, rows[:12])) + (", ..." if len(rows) > 12 else "")
+        parts.append(f"{len(rows)} {_UNPROVEN_WORDS[why]} (sample {shown})")
+    return "the samples not proven: " + "; ".join(parts)
+
+
 def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     """``(status, reason)`` of a finished attack from its facts (``Reconstruction.as_dict()``).
 
@@ -203,16 +229,19 @@ def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:
     if result.get("exact"):
         return CERTIFIED, None
     verified = len(result.get("verified") or [])
+    named = unproven_samples(result)
     if found < B:
+        why = f"{found} of {B} directions found: no sample is guaranteed"
         if verified:
-            return PARTIAL, (f"{found} of {B} directions found: {verified} sample(s) verified "
-                             "one by one through the next layer are read exactly, no other "
-                             "sample is guaranteed")
-        return PARTIAL, f"{found} of {B} directions found: no sample is guaranteed"
+            why = (f"{found} of {B} directions found: {verified} sample(s) verified one by one "
+                   "through the next layer are read exactly, no other sample is guaranteed")
+        return PARTIAL, why + (f"; {named}" if named else "")
     status, why = _full_basis(result, B)
     if verified and why is not None:
         why += (f"; {verified} sample(s) verified one by one through the next layer are read "
                 "exactly")
+    if named and why is not None:
+        why += f"; {named}"
     return status, why
 
 

@@ -28,7 +28,7 @@ from fl_attack.config import AttackConfig
 from fl_attack.core.clock import Clock
 from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.result import Reconstruction, certified
-from fl_attack.solver import certify
+from fl_attack.solver import certify, unproven
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import SearchContext, search_context
 from fl_attack.steps import match, polish
@@ -238,7 +238,9 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     certificate only for a full λ = 1 basis whose every image is exact (above ``exact_db``,
     90 dB: the papers' "exact"; None where the update's own precision is less and the caller
     checks the certified batch against the true directions' instead); every row the result
-    says was verified on its own is a sample of the batch."""
+    says was verified on its own is a sample of the batch; and a batch the output side did
+    not certify names the rows that keep it unproven (``Reconstruction.unproven``), each once,
+    with a known reason, none of them verified, unless samples were merged."""
     B = x.shape[0]
     assert rec.batch_size == B and rec.inputs.shape == (B, x[0].numel()), rec.as_dict()
     assert bool(torch.isfinite(rec.inputs).all())
@@ -249,6 +251,12 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     if exact_db is not None:
         worst = float(score_images(rec.inputs, x, name).psnr.min())
         assert not rec.exact or worst > exact_db, (worst, rec.as_dict())
+    named = [row for row, _ in rec.unproven]
+    assert len(set(named)) == len(named) and all(0 <= r < B for r in named), rec.unproven
+    assert all(why in unproven.REASONS for _, why in rec.unproven), rec.unproven
+    assert not set(named) & set(rec.verified) and not (rec.exact and named), rec.as_dict()
+    if rec.sample_errors is not None and not rec.exact and not rec.merged:
+        assert named, rec.as_dict()  # an uncertified batch names what keeps it unproven
     if rec.verified:  # each verified row is one of the batch's samples, to 10⁻³
         rows = rec.inputs[list(rec.verified)].double()
         truth = data.normalize(x, name).reshape(B, -1).to(rows)  # the inputs' space

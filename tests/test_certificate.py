@@ -16,9 +16,11 @@ import torch
 
 import fl_attack
 from fl_attack.core.columns import normalize_columns, zero_mask
-from fl_attack.solver import certify
+from fl_attack.solver import certify, unproven
 from fl_attack.steps import select
 from fl_attack.steps.decompose import decompose
+from fl_attack.steps.scale import make_system, reconstruct
+from fl_attack.steps.tolerances import noise_ratio
 from fl_attack.testbed import data, metrics, models, views
 from strategies import verdicts
 from tests.conftest import RealBatch, compute_output_grad
@@ -244,3 +246,54 @@ def test_a_swap_never_puts_a_spare_within_the_tolerance_of_the_others_span() -> 
     chosen = select.best_swap(A, trial, base=0.0, positions=3, chunk=64,
                               min_pivot=torch.full((3,), 1e-3, dtype=torch.float64))
     assert chosen is not None and abs(float(A[chosen[1], chosen[0]])) > 1e-3
+
+
+def test_one_samples_error_estimate_is_the_updates_noise_ratio() -> None:
+    """For one sample the per-sample error estimate is the batch's noise ratio (noise edge over
+    the one singular value), the quantity the certificate bounds: the per-sample measure
+    generalises it."""
+    x, y = data.sample_batch("mnist", 1, seed=4)
+    model = models.relu_mlp(784, 200, 3, seed=4)
+    G, g = models.first_layer_gradients(model, data.normalize(x, "mnist"), y)
+    dec = decompose(G.double(), batch_size=1)
+    system = make_system(dec.L, dec.R, g.double(), None, None, 1e-4)
+    Q = torch.ones(1, 1, dtype=torch.float64)
+    X, s = reconstruct(Q, system)
+    err = unproven.sample_errors(dec, Q, s, X)
+    assert float(err[0]) == pytest.approx(noise_ratio(dec), rel=1e-9)
+
+
+def test_the_reasons_name_each_unproven_row_once_with_its_first_failed_condition() -> None:
+    """Batch-wide reasons name every row but the verified ones; otherwise each row gets the
+    first condition it fails, in the order not found, rounding, mismatch, mixture, unpinned,
+    and a row that passes them all is not named."""
+    errors = torch.tensor([1e-7, 1e-2, 1e-7, 1e-7, 1e-7, 1e-7])
+    found = torch.tensor([True, True, True, True, True, False])
+    pinned = torch.tensor([True, False, False, True, False, False])
+    per_column = torch.tensor([1.0, 1.0, 1.0, 0.99, 1.0, 1.0])
+    pinned[0] = False  # row 0 unpinned and outside every group
+    got = unproven.reasons(batch_size=6, errors=errors, bound=1e-3, noisy=False, fedavg=False,
+                           found=found, pinned=pinned, mixed=((2, 4),), per_column=per_column)
+    assert got == ((0, "unpinned"), (1, "rounding"), (2, "mixture"), (3, "mismatch"),
+                   (4, "mixture"), (5, "not-found"))
+    noisy = unproven.reasons(batch_size=3, errors=None, bound=1e-3, noisy=True, fedavg=False,
+                             found=None, pinned=None, mixed=(), per_column=None, verified=(1,))
+    assert noisy == ((0, "noise"), (2, "noise"))
+    clean = unproven.reasons(batch_size=2, errors=torch.tensor([1e-8, 1e-7]), bound=1e-3,
+                             noisy=False, fedavg=False, found=None, pinned=None, mixed=(),
+                             per_column=None, weak_spectrum=True)
+    assert clean == ((1, "rounding"),)  # the weak spectrum names its most exposed row
+
+
+def test_the_verdict_names_the_samples_not_proven() -> None:
+    """A record whose full λ = 1 batch is not certified says which samples keep it so, by
+    reason and row, beside the batch-wide reason."""
+    facts = {"batch_size": 4, "n_directions": 4, "exact": False, "sparsity_match": 1.0,
+             "noisy": False, "rounding_limited": True, "mixed": [],
+             "unproven": [[1, "rounding"], [3, "rounding"]]}
+    status, reason = verdicts.reconstruction_verdict(facts)
+    assert status == verdicts.NOT_CERTIFIED
+    assert "the samples not proven: 2 held by the update only near its noise or float32 " \
+           "rounding (sample 1, 3)" in reason
+    facts["unproven"] = [[0, "noise"]]
+    assert "not proven" not in verdicts.reconstruction_verdict(facts)[1]

@@ -20,7 +20,7 @@ from fl_attack.config import AttackConfig
 from fl_attack.core.clock import Clock
 from fl_attack.core.columns import normalize_columns, zero_mask
 from fl_attack.result import Reconstruction, build_reconstruction
-from fl_attack.solver import candidates, certify, loop
+from fl_attack.solver import candidates, certify, loop, unproven
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import (
     SearchContext,
@@ -111,19 +111,32 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     got = _settle(layer, found, Q, clock)
     X, rows = _verified_rows(got.X, Q, _known(ctx, state, found), read=not got.proven)
     lam = state.match
+    errors = unproven.sample_errors(ctx.dec, got.Q, got.s, got.X)
+    bound = ctx.tuning.noisy_ratio
+    held = [i for i in range(ctx.B) if i not in rows]
+    spectrum = exact_possible(ctx.dec)
+    precise = spectrum and bool((errors[held] <= bound).all())
     rec = build_reconstruction(
         X, cfg=cfg, clock=clock, batch_size=ctx.B, n_found=found.n_found,
         sparsity_match=lam.value if lam is not None else None,
         per_column=lam.per_column if lam is not None else None,
         units=layer.weight_grad.shape[0],
         chance_zeros=lam.chance_zeros if lam is not None else 0, noisy=ctx.noisy,
-        precise=exact_possible(ctx.dec),
+        precise=precise,
         noise_std=ctx.dec.noise_std, scales=got.s, rounds=found.rounds,
         n_candidates=found.n_candidates, swaps=found.swaps, exhausted=found.exhausted,
         peeled=found.peeled, stopped=found.stopped, supported=got.proven, mixed=got.mixed,
         untangled=got.untangled,
     )
     rec.verified = rows
+    rec.sample_errors = errors
+    if not rec.exact:
+        per_column = None if lam is None else lam.per_column.double().cpu() / ctx.L.shape[0]
+        rec.unproven = unproven.reasons(
+            batch_size=ctx.B, errors=errors, bound=bound, noisy=ctx.noisy,
+            fedavg=ctx.system.subset, found=_found_mask(found), pinned=got.pinned, mixed=got.mixed,
+            per_column=per_column, verified=rows, weak_spectrum=not spectrum,
+            weights=system_has_weights(ctx))
     return rec
 
 
@@ -193,6 +206,11 @@ class _Settled:
     mixed: tuple[tuple[int, ...], ...]
     """The groups still read only up to a mixture."""
     untangled: int
+    Q: torch.Tensor
+    """(B, B) the basis as judged (columns settled on their zero rows)."""
+    pinned: torch.Tensor | None = None
+    """(B,) bool, the columns their zero rows prove or that were read through the next
+    layer (``certify.Pinning.pinned``); None when the basis was not judged."""
 
 
 def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) -> _Settled:
@@ -213,7 +231,7 @@ def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) ->
     X, s = reconstruct(Q, ctx.system)
     clock.tick("reconstruct", t0)
     if pins is None:
-        return _Settled(X, s, False, (), 0)
+        return _Settled(X, s, False, (), 0, Q)
     proven = pins.all and not ctx.system.subset
     mixed, untangled = pins.groups, 0
     if mixed and found.rows2 is not None and not ctx.system.subset:
@@ -227,7 +245,10 @@ def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) ->
             untangled = len(read.columns)
             loose = torch.nonzero(~pins.pinned).squeeze(1).tolist()
             proven = set(loose) <= set(read.columns)
-    return _Settled(X, s, proven, mixed, untangled)
+            pinned = pins.pinned.clone()
+            pinned[list(read.columns)] = True
+            return _Settled(X, s, proven, mixed, untangled, Q, pinned)
+    return _Settled(X, s, proven, mixed, untangled, Q, pins.pinned)
 
 
 @dataclass
@@ -251,10 +272,20 @@ class _Found:
     or ``"budget"`` when a level ran out of time)."""
     rows2: torch.Tensor | None = None
     """(B, m) the next layer's activation span (``peel.next_layer_rows``), when given."""
+    found: torch.Tensor | None = None
+    """(B,) bool, the columns the search found (the others were completed); None: the first
+    ``n_found``."""
     samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(
         default_factory=list)
     """The peeled samples of every level: their ∂L/∂Z columns (m, F), inputs (F, n) and
     which are verified (F,) bool."""
+
+
+def _found_mask(found: _Found) -> torch.Tensor:
+    """(B,) bool on the CPU: the columns of ``found`` that the search found."""
+    if found.found is not None:
+        return found.found.cpu()
+    return torch.arange(found.ctx.B) < found.n_found
 
 
 def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfig,
@@ -325,6 +356,7 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
                       "read), %d left", clock.elapsed(), F, int(proven.sum()),
                       F - int(proven.sum()), B - F)
         here.columns, here.peeled, here.n_found = dec.L @ taken.columns, F, F
+        here.found = torch.ones(F, dtype=torch.bool)
         here.samples.append((here.columns, taken.inputs, proven))
         if sub_dec is not None:
             sub_cfg = (cfg if cfg.batch_size is None
@@ -430,6 +462,8 @@ def _merge(here: _Found, sub: _Found) -> None:
     assert here.columns is not None
     sub_cols = sub.columns if sub.columns is not None else sub.ctx.L @ sub.Q
     here.columns = torch.cat([here.columns, sub_cols], dim=1)
+    assert here.found is not None
+    here.found = torch.cat([here.found, _found_mask(sub)])
     here.peeled += sub.peeled
     here.samples += sub.samples
     here.n_found += sub.n_found
