@@ -160,6 +160,30 @@ def test_the_stored_weights_rounding_is_never_read_as_samples(mnist_model) -> No
     assert rec.batch_size <= 20 and not rec.exact
 
 
+def test_a_fedavg_sums_rounding_spike_is_not_a_sample_nor_noise(mnist_model) -> None:
+    """A FedAvg weight difference (5 full-batch local steps at lr 0.01) of the model after 300
+    steps, stored in float32: the sum of B = 20 samples' steps has rank 20, but storing W_E
+    swallows update entries whole, so the rounding has a component along the update that
+    stands more than ``rank_margin`` estimates out of its bulk. Read with the weights' dtype,
+    no value within ``decompose.ROUNDING_MARGIN`` estimates of the rounding is a sample, and
+    the update is searched as clean and rounding-limited, not as a noisy one."""
+    from fl_attack.model import updates
+    from fl_attack.steps.decompose import ROUNDING_MARGIN
+    from fl_attack.testbed import simulate
+
+    t = _batch(mnist_model, 300, seed=1)
+    xn = data.normalize(t.x, "mnist")
+    res = simulate.local_update(t.model, xn, t.y, protocol="fedavg", lr=0.01, epochs=5, seed=0)
+    update, _, _, _ = updates.weight_update_pair(t.model.state_dict(), res.state_dict)
+    edge = rounding_edge(t.W, update, "float32")
+    S = torch.linalg.svdvals(update.double())
+    assert 2.0 * edge < float(S[20]) < ROUNDING_MARGIN * edge < float(S[19])  # the situation
+    dec = decompose(update, noise_floor=edge)
+    assert dec.batch_size == 20
+    assert rounding_limited(dec) and not noisy_update(dec)
+    assert dec.at(20).rounding_floor == dec.rounding_floor == ROUNDING_MARGIN * edge
+
+
 def test_an_audit_reads_a_float32_replys_rounding_as_rounding(mnist_model,
                                                               task_identity: None) -> None:
     """The Flower audit knows the dtype a reply's weights come in: it passes it on, so a

@@ -149,12 +149,15 @@ def rounding_limited(dec: Decomposition) -> bool:
     """Whether an update is clean but its weakest samples sit near the float32 rounding: the
     spectrum drops below ``RANK_FLOOR[float32]`` of its largest value right after B, so no
     noise was added, while a trained model's confidently classified samples have gradients
-    10⁴-10⁶ times smaller than the others (``experiments/results/training.md``). The search
+    10⁴-10⁶ times smaller than the others (``experiments/results/training.md``), or, for a
+    weight difference of stored weights, right after B the spectrum is within the weights'
+    known rounding (``Decomposition.rounding_floor``). The search
     treats it as clean (the noise-mode steps assume i.i.d. noise and drop true columns there);
     its weakest samples are read only to the update's precision and nothing is certified
     (:func:`exact_possible`)."""
     S, B = dec.singular_values, dec.batch_size
-    return B >= S.numel() or float(S[B]) < RANK_FLOOR[torch.float32] * float(S[0])
+    return (B >= S.numel() or float(S[B]) < RANK_FLOOR[torch.float32] * float(S[0])
+            or float(S[B]) <= dec.rounding_floor)
 
 
 def row_noise(dec: Decomposition, device: torch.device) -> torch.Tensor:
