@@ -12,7 +12,8 @@ split (never trained on) give the update attacked with default settings:
   attacks the first layer alone, as the papers do); a batch counts as read above 90 dB;
 * ``fedavg``: 5 full-batch local steps at lr 0.01, the float32 weight difference attacked with
   ``update="fedavg"`` and ``weights_dtype="float32"`` (as the plugin attacks a float32 reply);
-  read above 25 dB;
+  read above 25 dB; ``fedavg-mb``: the same with 5 epochs of mini-batches of 10 (a fresh
+  shuffle per epoch: 2 steps per epoch at B = 20, as Flower's examples train locally);
 * ``dpsgd``: one Opacus step, clipping 1, noise std 0.05 x the clipped mean gradient's median
   entry, the batch size given (as a Flower server reads it from ``num-examples``); read above
   25 dB. For both, the least-squares ceiling from the true ∂L/∂Z (``bench_dp``).
@@ -71,7 +72,9 @@ COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", 
            "closest pair differs on", "samples held below the threshold",
            "ceiling % (true ∂L/∂Z)", "span oracle % (true columns in the update's span)")
 DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
-READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "dpsgd": 25.0}
+READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "fedavg-mb": 25.0, "dpsgd": 25.0}
+FEDAVG_BATCH = {"fedavg": None, "fedavg-mb": 10}
+"""Local mini-batch size of each FedAvg protocol (None: full batch)."""
 CNN_LR = 0.1
 """The learning rate of the quickstart CNN's attacked step."""
 
@@ -150,9 +153,9 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
         dw, db = models.first_layer_gradients(model, xb, yb)
         if next_layer:
             options = {"next_weight_grad": models.layer_gradients(model, xb, yb, layer=1)[0]}
-    elif protocol == "fedavg":
+    elif protocol in FEDAVG_BATCH:
         res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=5,
-                                    seed=seed)
+                                    batch_size=FEDAVG_BATCH[protocol], seed=seed)
         dw, db, _, _ = updates.weight_update_pair(model.state_dict(), res.state_dict)
         options = {"update": "fedavg", "weights_dtype": "float32"}
     else:
@@ -168,7 +171,7 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     images = data.denormalize(rec.inputs.float().reshape(-1, *src.shape), src.name)
     score = metrics.score_batch(images, _images(xb, src), shared=rec.merged > 0)
     kept = ~stats.below_rounding
-    if protocol == "fedavg":
+    if protocol in FEDAVG_BATCH:
         ceiling = _fedavg_ceiling(dw, xb, src)
     elif protocol == "fedsgd":
         D = grads[0]
@@ -357,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=2000, help="images loaded (80%% train)")
     parser.add_argument("--settings", type=harness.parse_settings, default="10x200,20x200")
     parser.add_argument("--protocols", type=harness.list_of(str, "--protocols"),
-                        default=["fedsgd"], help="fedsgd, fedavg, dpsgd")
+                        default=["fedsgd"], help="fedsgd, fedavg, fedavg-mb, dpsgd")
     parser.add_argument("--steps", type=harness.list_of(int, "--steps"),
                         default=[int(k) for k in DEFAULT_STEPS.split(",")])
     parser.add_argument("--model", choices=("mlp", "quickstart"), default="mlp")
