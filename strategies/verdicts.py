@@ -203,6 +203,10 @@ _UNPROVEN_WORDS = {
 }
 
 
+PER_SAMPLE_UNPROVEN = frozenset(_UNPROVEN_WORDS)
+"""The reasons of ``Reconstruction.unproven`` that single a sample out (not batch-wide)."""
+
+
 def unproven_samples(result: dict[str, Any]) -> str | None:
     """The samples that keep a batch from being proven, by reason, in words (None when the
     facts name none, or only a batch-wide reason: noise, a FedAvg sum)."""
@@ -215,8 +219,8 @@ def unproven_samples(result: dict[str, Any]) -> str | None:
     parts = []
     for why, rows in by_reason.items():
         shown = ", ".join(map(str, rows[:12])) + (", ..." if len(rows) > 12 else "")
-        parts.append(f"{len(rows)} {_UNPROVEN_WORDS[why]} (sample {shown})")
-    return "the samples not proven: " + "; ".join(parts)
+        parts.append(f"{len(rows)} {_UNPROVEN_WORDS[why]} (rows {shown})")
+    return "the samples not proven, by row of the reconstruction: " + "; ".join(parts)
 
 
 def reconstruction_verdict(result: dict[str, Any]) -> tuple[str, str | None]:

@@ -264,7 +264,8 @@ def test_one_samples_error_estimate_is_the_updates_noise_ratio() -> None:
 
 
 def test_the_reasons_name_each_unproven_row_once_with_its_first_failed_condition() -> None:
-    """Batch-wide reasons name every row but the verified ones; otherwise each row gets the
+    """Noise names every row but the verified ones; a FedAvg sum names each row by a failed
+    per-sample condition where it has one, else as a sum; otherwise each row gets the
     first condition it fails, in the order not found, rounding, mismatch, mixture, unpinned,
     and a row that passes them all is not named."""
     errors = torch.tensor([1e-7, 1e-2, 1e-7, 1e-7, 1e-7, 1e-7])
@@ -279,6 +280,10 @@ def test_the_reasons_name_each_unproven_row_once_with_its_first_failed_condition
     noisy = unproven.reasons(batch_size=3, errors=None, bound=1e-3, noisy=True, fedavg=False,
                              found=None, pinned=None, mixed=(), per_column=None, verified=(1,))
     assert noisy == ((0, "noise"), (2, "noise"))
+    fedavg = unproven.reasons(batch_size=3, errors=torch.tensor([1e-7, 1e-2, 1e-7]), bound=1e-3,
+                              noisy=False, fedavg=True, found=None, pinned=None, mixed=(),
+                              per_column=None)
+    assert fedavg == ((0, "fedavg"), (1, "rounding"), (2, "fedavg"))
     clean = unproven.reasons(batch_size=2, errors=torch.tensor([1e-8, 1e-7]), bound=1e-3,
                              noisy=False, fedavg=False, found=None, pinned=None, mixed=(),
                              per_column=None, weak_spectrum=True)
@@ -293,7 +298,31 @@ def test_the_verdict_names_the_samples_not_proven() -> None:
              "unproven": [[1, "rounding"], [3, "rounding"]]}
     status, reason = verdicts.reconstruction_verdict(facts)
     assert status == verdicts.NOT_CERTIFIED
-    assert "the samples not proven: 2 held by the update only near its noise or float32 " \
-           "rounding (sample 1, 3)" in reason
+    assert "the samples not proven, by row of the reconstruction: 2 held by the update only " \
+           "near its noise or float32 rounding (rows 1, 3)" in reason
     facts["unproven"] = [[0, "noise"]]
     assert "not proven" not in verdicts.reconstruction_verdict(facts)[1]
+
+
+def test_the_report_frames_the_samples_not_proven() -> None:
+    """The pictures of the rows a record names as not proven are framed in orange, in the
+    pictures' shown order (the originals' when the ground truth matched them); batch-wide
+    reasons frame nothing."""
+    import dataclasses
+
+    import numpy as np
+
+    from strategies.output.png import FLAG_RGB, image_grid
+    from strategies.results.records import ClientAudit
+
+    images = np.zeros((4, 1, 4, 4))
+    record = ClientAudit(server_round=1, node_id=1, status=verdicts.NOT_CERTIFIED,
+                          attack={"unproven": [[1, "rounding"], [2, "fedavg"]]},
+                          recon_images=images, matching=np.array([3, 2, 1, 0]))
+    flags = record.unproven_pictures()
+    assert flags is not None and flags.tolist() == [False, False, True, False]
+    grid = image_grid(images, flagged=flags, min_side=1)
+    orange = (np.asarray(FLAG_RGB) * 255.0 + 0.5).astype(np.uint8)
+    assert (grid == orange).all(axis=2).any() and not (grid[:6, :6] == orange).all(axis=2).any()
+    noisy = dataclasses.replace(record, attack={"unproven": [[0, "noise"]]})
+    assert noisy.unproven_pictures() is None

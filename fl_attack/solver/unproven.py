@@ -102,7 +102,8 @@ def reasons(
     bound
         The largest relative error a proven sample may have (``Tuning.noisy_ratio``).
     noisy, fedavg
-        Batch-wide reasons: every row not ``verified`` is unproven.
+        Batch-wide reasons: every row not ``verified`` is unproven; a row of a FedAvg sum that
+        fails a per-sample condition is named by it, the others ``"fedavg"``.
     weights
         Whether the layer's weight and bias were given (without them, a batch-wide reason).
     found : (B,) bool, optional
@@ -136,8 +137,6 @@ def reasons(
             why = "no-weights"
         elif noisy:
             why = "noise"
-        elif fedavg:
-            why = "fedavg"
         elif found is not None and not bool(found[i]):
             why = "not-found"
         elif errors is not None and not float(errors[i]) <= bound:
@@ -148,6 +147,8 @@ def reasons(
             why = "mixture"
         elif pinned is not None and not bool(pinned[i]):
             why = "unpinned"
+        elif fedavg:
+            why = "fedavg"
         if why is not None:
             out.append((i, why))
     if not out and weak_spectrum and errors is not None:

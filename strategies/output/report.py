@@ -389,7 +389,12 @@ def _reconstructions_section(records: Sequence[ClientAudit], kept: str = "all") 
                        "precision whatever the rest of the batch.</p>")
         else:
             marked = None
-        grid = image_grid(r.recon_images, marked=marked)
+        flagged = None if r.exact else r.unproven_pictures()
+        if flagged is not None:
+            out.append(f"<p>Framed in orange: the {int(flagged.sum())} of {flagged.size} "
+                       "samples the reason names as keeping the batch unproven (the others "
+                       "pass every per-sample condition of the certificate).</p>")
+        grid = image_grid(r.recon_images, marked=marked, flagged=flagged)
         out.append("<div class='pair'><div>" + inline_png(png_bytes(grid), "reconstruction")
                    + f"<br>{what}</div>")
         if r.original_images is not None:

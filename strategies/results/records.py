@@ -128,6 +128,19 @@ class ClientAudit:
         pictures, or when they are estimated from features (the features are verified, the
         pictures are not)."""
         rows = [int(v) for v in (self.attack or {}).get("verified") or []]
+        return self._pictures_of(rows)
+
+    def unproven_pictures(self) -> np.ndarray | None:
+        """``(len(recon_images),)`` flags: the pictures of the samples the reason names as
+        keeping the batch unproven (``Reconstruction.unproven``, per-sample reasons only),
+        in the pictures' order; ``None`` when there are none or the pictures are estimated
+        from features."""
+        rows = [int(row) for row, why in (self.attack or {}).get("unproven") or []
+                if why in verdicts.PER_SAMPLE_UNPROVEN]
+        return self._pictures_of(rows)
+
+    def _pictures_of(self, rows: list[int]) -> np.ndarray | None:
+        """Flags over the pictures (in their shown order) of the reconstruction's ``rows``."""
         if self.recon_images is None or self.reads == "features" or not rows:
             return None
         shown = (np.arange(self.recon_images.shape[0]) if self.matching is None
