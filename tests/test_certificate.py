@@ -302,6 +302,8 @@ def test_the_verdict_names_the_samples_not_proven() -> None:
            "near its noise or float32 rounding (rows 1, 3)" in reason
     facts["unproven"] = [[0, "noise"]]
     assert "not proven" not in verdicts.reconstruction_verdict(facts)[1]
+    # the plugin (torch-free) words exactly the library's per-sample reasons
+    assert verdicts.PER_SAMPLE_UNPROVEN == unproven.PER_SAMPLE <= set(unproven.REASONS)
 
 
 def test_the_report_frames_the_samples_not_proven() -> None:

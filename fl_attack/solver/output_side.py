@@ -131,11 +131,10 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
     rec.verified = rows
     rec.sample_errors = errors
     if not rec.exact:
-        per_column = None if lam is None else lam.per_column.double().cpu() / ctx.L.shape[0]
         rec.unproven = unproven.reasons(
             batch_size=ctx.B, errors=errors, bound=bound, noisy=ctx.noisy,
             fedavg=ctx.system.subset, found=_found_mask(found), pinned=got.pinned, mixed=got.mixed,
-            per_column=per_column, verified=rows, weak_spectrum=not spectrum,
+            per_column=rec.column_match, verified=rows, weak_spectrum=not spectrum,
             weights=system_has_weights(ctx))
     return rec
 
@@ -233,7 +232,7 @@ def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) ->
     if pins is None:
         return _Settled(X, s, False, (), 0, Q)
     proven = pins.all and not ctx.system.subset
-    mixed, untangled = pins.groups, 0
+    mixed, untangled, pinned = pins.groups, 0, pins.pinned
     if mixed and found.rows2 is not None and not ctx.system.subset:
         t0 = time.perf_counter()
         read = untangle(ctx, Q, X, mixed, found.rows2, layer.precision, clock.finish_deadline)
@@ -245,10 +244,9 @@ def _settle(layer: LayerUpdate, found: _Found, Q: torch.Tensor, clock: Clock) ->
             untangled = len(read.columns)
             loose = torch.nonzero(~pins.pinned).squeeze(1).tolist()
             proven = set(loose) <= set(read.columns)
-            pinned = pins.pinned.clone()
+            pinned = pinned.clone()
             pinned[list(read.columns)] = True
-            return _Settled(X, s, proven, mixed, untangled, Q, pinned)
-    return _Settled(X, s, proven, mixed, untangled, Q, pins.pinned)
+    return _Settled(X, s, proven, mixed, untangled, Q, pinned)
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from fl_attack.steps.decompose import Decomposition
 
-__all__ = ["REASONS", "reasons", "sample_errors"]
+__all__ = ["PER_SAMPLE", "REASONS", "reasons", "sample_errors"]
 
 #: Why a row of the reconstruction is not proven, by code (``Reconstruction.unproven``).
 REASONS: dict[str, str] = {
@@ -37,6 +37,11 @@ REASONS: dict[str, str] = {
                 "one-dimensional kernel)",
     "mismatch": "its activation pattern disagrees with the ReLU law on some units",
 }
+
+#: The reasons that single a sample out; the others (no weights, noise, a FedAvg sum with
+#: nothing else against the row) hold for the whole batch.
+PER_SAMPLE: frozenset[str] = frozenset({"not-found", "rounding", "mismatch", "mixture",
+                                        "unpinned"})
 
 
 def sample_errors(dec: Decomposition, Q: torch.Tensor, s: torch.Tensor,
