@@ -13,7 +13,7 @@ from torch import nn
 
 from fl_attack.core.clock import Clock
 from fl_attack.errors import NotIdentifiable
-from fl_attack.text import certify, encoder
+from fl_attack.text import certify, encoder, relaxed
 from fl_attack.text.families import Family, Reader, family_of
 from fl_attack.text.last_token import INTEGER_TOL, Endings, read_endings
 from fl_attack.text.result import SequenceEvidence, TextReconstruction
@@ -162,28 +162,24 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
                                                          "found no token"),
                                   seconds=clock.elapsed(), **common)
     found_pairs = encoder.pairs(family, cands, spans["attn0"].rank)
-    if found_pairs is None:
-        pairs = sum(int(c.numel()) for c in cands)
-        return TextReconstruction(
-            [], [], False, "not-identifiable",
-            f"read the batch's {len(common['bag'])} distinct tokens, not where they stand: "
-            f"{pairs} (token, position) pairs lie in block 0's span of rank "
-            f"{spans['attn0'].rank} (tokens repeated across sentences and positions make "
-            "every token fit every position after the embeddings' LayerNorm), so the first "
-            "block does not separate the positions", limit="positions",
-            seconds=clock.elapsed(), **common)
     t0 = time.perf_counter()
-    options = encoder.layouts(found_pairs, spans["mlp"].rank, batch_size)
-    if not options:
-        return TextReconstruction(
-            [], [], False, "ambiguous",
-            "no sentence lengths fit: the sentences do not all end with the token the "
-            f"longest ends with, or their positions ({spans['mlp'].rank}) do not add up",
-            seconds=clock.elapsed(), **common)
-    found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
+    if found_pairs is None:
+        found = _relaxed(family, cands, spans, clock)
+    else:
+        options = encoder.layouts(found_pairs, spans["mlp"].rank, batch_size)
+        if not options:
+            return TextReconstruction(
+                [], [], False, "ambiguous",
+                "no sentence lengths fit: the sentences do not all end with the token the "
+                f"longest ends with, or their positions ({spans['mlp'].rank}) do not add up",
+                seconds=clock.elapsed(), **common)
+        found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
     clock.tick("sequences", t0)
     t0 = time.perf_counter()
     labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, found)
+    if batch_size is not None and found.tokens and len(found.tokens) != batch_size:
+        unproven.append(f"{len(found.tokens)} sentence(s) read where the batch holds "
+                        f"{batch_size}")
     clock.tick("certify", t0)
     sequences = [SequenceEvidence(t, d, None, None) for t, d in zip(found.tokens,
                                                                     found.distances,
@@ -194,12 +190,37 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
               "MLP-input span, the labels are read from the head's update and the batch "
               "with them reproduces the update" if certified else
               f"read {n} sentence(s), not certified: " + "; ".join(unproven))
+    limit = None
+    if found_pairs is None and found.stopped != "complete":
+        limit = "positions"
+        reason = (f"read the batch's {len(common['bag'])} distinct tokens; the first block does "
+                  f"not say where they stand ({sum(int(c.numel()) for c in cands)} (token, "
+                  f"position) pairs lie in block 0's span of rank {spans['attn0'].rank}: "
+                  "tokens repeated across sentences and positions), and the search over "
+                  f"whole sentences filled {sum(map(len, found.tokens))} of the "
+                  f"{spans['mlp'].rank} positions; " + reason)
     return TextReconstruction(found.tokens, sequences, certified, found.stopped, reason,
-                              labels=labels, residuals=residuals,
+                              labels=labels, residuals=residuals, limit=limit,
                               margins={"tokens_accepted_max": bag.accepted_max,
                                        "tokens_rejected_min": bag.rejected_min,
                                        "positions_worst": found.worst},
                               timings=dict(clock.timings), seconds=clock.elapsed(), **common)
+
+
+def _relaxed(family: Family, cands: list[torch.Tensor], spans: dict[str, Span | None],
+             clock: Clock) -> encoder.Found:
+    """The sentences of an encoder whose first block does not separate the positions
+    (:mod:`fl_attack.text.relaxed`)."""
+    got = relaxed.search(family, cands, spans["mlp"],
+                         end=int(cands[-1][0]) if len(cands[-1]) == 1 else None,
+                         total=spans["mlp"].rank, deadline=clock.deadline)
+    if not got.sentences:
+        return encoder.Found([], [], float("inf"), got.stopped)
+    width = max(len(s) for s in got.sentences)
+    device = cands[0].device
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in got.sentences], device=device)
+    lengths = torch.tensor([len(s) for s in got.sentences], device=device)
+    return encoder.finish(family, spans, tokens, lengths, got.stopped)
 
 
 def _encoder_certificate(family: Family, grads: dict[str, torch.Tensor],

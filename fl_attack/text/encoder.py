@@ -194,18 +194,20 @@ def assemble(family: Family, found: Pairs, spans: dict[str, Span | None],
             if best is None or worst < best[0]:
                 best = (worst, tokens, lengths)
             if worst < ACCEPT:
-                return _found(family, spans, tokens, lengths, "complete")
+                return finish(family, spans, tokens, lengths, "complete")
         if stopped == "budget":
             break
     if passed(deadline):
         stopped = "budget"
     if best is None:
         return Found([], [], float("inf"), stopped)
-    return _found(family, spans, best[1], best[2], stopped)
+    return finish(family, spans, best[1], best[2], stopped)
 
 
-def _found(family: Family, spans: dict[str, Span | None], tokens: torch.Tensor,
+def finish(family: Family, spans: dict[str, Span | None], tokens: torch.Tensor,
            lengths: torch.Tensor, stopped: str) -> Found:
+    """The :class:`Found` of sentences (N, L) of ``lengths``: each position's distances at
+    block 0's MLP input and block 1's attention input, and the worst score."""
     h = mlp_inputs(family, tokens, lengths)
     n, length, d = h.shape
     d_mlp, sc = spans["mlp"].score(h.flatten(0, 1))

@@ -58,7 +58,9 @@ class TextReconstruction:
     limit : str | None
         Where ``stopped`` is ``"not-identifiable"`` or ``"not-applicable"``: why, as
         ``fl_attack.errors.NotIdentifiable.reason`` says it (``"full-rank"``, ``"no-signal"``,
-        ``"adapter-rank"``; ``"positions"``: an encoder's tokens read, their positions not).
+        ``"adapter-rank"``); ``"positions"`` with any ``stopped``: an encoder's tokens read,
+        and the search over whole sentences (its first block did not separate the positions)
+        did not place them all.
     labels : list[int] | None
         A sequence classifier's update: each sentence's class, read from the head's update
         (same order as ``token_ids``); None where not read or not a classifier.

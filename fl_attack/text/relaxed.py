@@ -1,0 +1,318 @@
+"""An encoder's sentences searched in a relaxation over the tokens seen at each position.
+
+When tokens repeat across an encoder's sentences and positions, block 0's span no longer says
+which token stands where (:mod:`fl_attack.text.encoder`): after the embeddings' LayerNorm the
+inputs are nearly a sum of a token part and a position part, so every token of a connected
+group of (token, position) pairs passes at every position of the group, and the per-position
+candidate sets grow to tens of tokens. Block 0's MLP input still separates: a sentence is one
+of the batch only if every one of its positions lies in that span, and with one wrong token
+every position of the sentence leaves it (bidirectional attention mixes the whole sentence).
+
+That test needs whole sentences, so it is searched as a continuous problem, one sentence at a
+time (sentences pass through the encoder independently):
+
+1. Each position ``p`` of a sentence of length ``n`` holds a distribution ``π_p`` over the
+   tokens seen there (the last position: the token every sentence ends with); block 0 reads
+   the mixture ``Σ_t π_p(t) x(t, p)`` of their normalised embeddings.
+2. The relaxed cost is ``Σ_p dist(m_p, span)²`` of block 0's MLP inputs ``m_p``, plus a
+   penalty on overlap with the sentences already found (else a run of another length is drawn
+   to a found sentence with one more ending token). Adam on the logits of ``π`` from random
+   starts, many starts and lengths in one batch.
+3. Every ``CHECK`` steps the most likely token of each position forms a sentence, kept when
+   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`). The search ends when
+   the sentences found fill the MLP span's rank (every position of the batch accounted for),
+   or at its budget.
+
+The lengths tried are the positions where the ending token was seen (longest first), only
+those that still fit in the positions not yet accounted for. A relaxation like this is in the
+spirit of the gradient-matching attacks (TAG, LAMP), but its cost is the span test, whose
+zero is exact, and its tokens are those the first block allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fl_attack.core.clock import passed
+from fl_attack.text.families import Family
+from fl_attack.text.span import ACCEPT, Span
+
+#: Adam steps between two readings of the most likely sentences.
+CHECK = 100
+#: Steps after which a run that found nothing is restarted.
+STEPS = 600
+#: Adam's step size on the logits.
+LEARNING_RATE = 0.1
+#: Spread of the starting logits (wide: the starts begin near different sentences).
+INIT_SPREAD = 3.0
+#: A run whose cost fell by less than this factor over ``CHECK`` steps (after its first
+#: ``2 * CHECK``) has settled in a local minimum and is restarted.
+PLATEAU = 0.95
+#: Runs per possible sentence length, side by side.
+STARTS = 4
+#: Steps without a new sentence after which the search gives up.
+IDLE_STEPS = 1800
+#: Most runs side by side.
+MAX_RUNS = 64
+#: Weight of the overlap penalty against the sentences found.
+OVERLAP = 0.1
+
+
+@dataclass
+class Relaxed:
+    """What :func:`search` found.
+
+    Attributes
+    ----------
+    sentences : list[list[int]]
+        Distinct sentences whose every position lies in block 0's MLP-input span, longest
+        first.
+    stopped : str
+        ``"complete"`` (their positions fill the span's rank), ``"budget"``, or
+        ``"ambiguous"`` (every round ended without filling it).
+    restarts : int
+        Runs restarted (after finding a sentence or ``STEPS`` steps without one).
+    """
+
+    sentences: list[list[int]] = field(default_factory=list)
+    stopped: str = "ambiguous"
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Per position, the candidate tokens (padded to K): their residual streams entering
+    block 0 and the queries, keys and values block 0 computes from them."""
+
+    stream: torch.Tensor   # (L, K, d)
+    qkv: tuple[torch.Tensor, ...]  # 3 x (L, K, heads, head_dim)
+    ids: torch.Tensor      # (L, K)
+    valid: torch.Tensor    # (L, K) bool
+
+
+@torch.no_grad()
+def _table(family: Family, candidates: list[torch.Tensor]) -> _Table:
+    length, k = len(candidates), max(int(c.numel()) for c in candidates)
+    rows = [family.embeddings(c, p) for p, c in enumerate(candidates)]
+    stream = rows[0].new_zeros(length, k, rows[0].shape[-1])
+    ids = torch.zeros(length, k, dtype=torch.long, device=stream.device)
+    valid = torch.zeros(length, k, dtype=torch.bool, device=stream.device)
+    for p, (c, row) in enumerate(zip(candidates, rows, strict=True)):
+        stream[p, :c.numel()], ids[p, :c.numel()], valid[p, :c.numel()] = row, c, True
+    flat = family.qkv(family.attn_input(0, stream.flatten(0, 1)), 0)
+    return _Table(stream, tuple(t.unflatten(0, (length, k)) for t in flat), ids, valid)
+
+
+def _mlp_inputs(family: Family, table: _Table, pi: torch.Tensor, alive: torch.Tensor
+                ) -> torch.Tensor:
+    """Block 0's MLP inputs (N, L, d) of relaxed sentences ``pi`` (N, L, K): each position's
+    stream, query, key and value are its candidates' mixed by ``pi`` (exact for one-hot
+    ``pi``); a position attends to the positions ``alive`` (N, L) in its sentence."""
+    w = pi.shape[1]
+    h = torch.einsum("nlk,lkd->nld", pi, table.stream[:w])
+    q, k, v = (torch.einsum("nlk,lkhe->nlhe", pi, t[:w]) for t in table.qkv)
+    s = torch.einsum("nphd,nqhd->nhpq", q, k) * family.scaling
+    s = s.masked_fill(~alive[:, None, None, :], float("-inf"))
+    att = torch.einsum("nhpq,nqhd->nphd", torch.softmax(s, dim=-1), v).flatten(2)
+    return family.mlp_input(family.after_attention(h, att))
+
+
+def _relative_residual(span: Span, m: torch.Tensor) -> torch.Tensor:
+    """Squared relative distance of each row (..., d) to the span, in m's dtype."""
+    basis = span.basis.to(m.dtype)
+    r = m - (m @ basis) @ basis.T
+    return (r.norm(dim=-1) / m.norm(dim=-1).clamp_min(1e-30)) ** 2
+
+
+def _overlap(pi: torch.Tensor, table: _Table, alive: torch.Tensor, found: list[list[int]]
+             ) -> torch.Tensor:
+    """(N,) per found sentence, the squared mean probability of its tokens at its positions
+    (over the positions both sentences have)."""
+    out = pi.new_zeros(pi.shape[0])
+    for sent in found:
+        m = min(pi.shape[1], len(sent))
+        hit = (table.ids[:m] == torch.tensor(sent[:m], device=pi.device)[:, None]) \
+            & table.valid[:m]                                               # (m, K)
+        both = alive[:, :m].to(pi.dtype)
+        share = ((pi[:, :m] * hit).sum(-1) * both).sum(-1) / both.sum(-1).clamp_min(1)
+        out = out + share ** 2
+    return out
+
+
+@dataclass
+class _Pool:
+    """Relaxed searches run side by side, each restarted when it ends: its logits (N, L, K)
+    over the candidates, Adam's moments and step count, its sentence length and age."""
+
+    logits: torch.Tensor
+    lengths: torch.Tensor
+    mean: torch.Tensor
+    square: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def new(cls, table: _Table, size: int, ends: list[int], left: int, end: int | None,
+            generator: torch.Generator) -> _Pool:
+        """``size`` runs, their lengths cycling over the ``ends`` that fit in ``left``."""
+        shape = (size, *table.ids.shape)
+        pool = cls(table.stream.new_zeros(shape),
+                   torch.zeros(size, dtype=torch.long, device=table.ids.device),
+                   *(table.stream.new_zeros(shape) for _ in range(2)),
+                   torch.zeros(size, dtype=torch.long, device=table.ids.device))
+        pool.restart(list(range(size)), _lengths(ends, size, left), table, end, generator)
+        return pool
+
+    def restart(self, rows: list[int], lengths: list[int], table: _Table, end: int | None,
+                generator: torch.Generator) -> None:
+        """New random starts for ``rows``, with sentences of ``lengths``."""
+        idx = torch.tensor(rows, device=self.logits.device)
+        self.lengths[idx] = torch.tensor(lengths, device=self.logits.device)
+        width = self.logits.shape[1]
+        mask = table.valid[:width].expand(len(rows), -1, -1).clone()
+        if end is not None:
+            last = self.lengths[idx] - 1
+            mask[torch.arange(len(rows)), last] &= table.ids[last] == end
+        init = torch.randn(mask.shape, generator=generator).to(self.logits) * INIT_SPREAD
+        self.logits[idx] = init.masked_fill(~mask, float("-inf"))
+        self.mean[idx], self.square[idx], self.steps[idx] = 0.0, 0.0, 0
+
+    def trim(self) -> None:
+        """Drop the positions past the longest run's sentence."""
+        width = int(self.lengths.max())
+        if width < self.logits.shape[1]:
+            self.logits, self.mean, self.square = (t[:, :width].contiguous() for t in
+                                                   (self.logits, self.mean, self.square))
+
+    def alive(self) -> torch.Tensor:
+        """(N, L) the positions inside each run's sentence."""
+        width = self.logits.shape[1]
+        return torch.arange(width, device=self.lengths.device)[None] < self.lengths[:, None]
+
+    def step(self, grad: torch.Tensor) -> None:
+        """One Adam step (each run's own step count for the bias correction)."""
+        b1, b2 = 0.9, 0.999
+        self.steps += 1
+        grad = torch.nan_to_num(grad, nan=0.0)
+        self.mean.mul_(b1).add_(grad, alpha=1 - b1)
+        self.square.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        t = self.steps.to(grad.dtype)[:, None, None]
+        m = self.mean / (1 - b1 ** t)
+        v = self.square / (1 - b2 ** t)
+        self.logits -= LEARNING_RATE * m / (v.sqrt() + 1e-8)
+
+
+def _cost(family: Family, span: Span, table: _Table, pool: _Pool, found: list[list[int]]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run's relaxed cost (N,) and its gradient with respect to the pool's logits."""
+    logits = pool.logits.detach().requires_grad_()
+    alive = pool.alive()
+    with torch.enable_grad():
+        pi = torch.softmax(logits, -1)
+        cost = (_relative_residual(span, _mlp_inputs(family, table, pi, alive)) * alive).sum(-1)
+        if found:
+            cost = cost + OVERLAP * _overlap(pi, table, alive, found)
+        # only the logits' gradient: the model's parameters are the caller's
+        (grad,) = torch.autograd.grad(cost.sum(), [logits])
+    return cost.detach(), grad
+
+
+@torch.no_grad()
+def _exact(family: Family, span: Span, table: _Table, logits: torch.Tensor,
+           alive: torch.Tensor) -> dict[int, list[int]]:
+    """Per run, its most likely sentence if every position of it lies in the span."""
+    choice = logits.argmax(-1)                                              # (N, L)
+    pi = torch.nn.functional.one_hot(choice, logits.shape[-1]).to(table.stream)
+    _, score = span.score(_mlp_inputs(family, table, pi, alive).flatten(0, 1))
+    ok = ((score.view(alive.shape) < ACCEPT) | ~alive).all(-1)
+    tokens = torch.gather(table.ids.expand(len(choice), -1, -1)[:, :choice.shape[1]], 2,
+                          choice[..., None])[..., 0]
+    return {i: tokens[i, :int(alive[i].sum())].tolist()
+            for i in torch.nonzero(ok).flatten().tolist()}
+
+
+def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: int | None,
+           total: int, deadline: float | None, seed: int = 0) -> Relaxed:
+    """Sentences of an encoder's batch from the tokens seen at each position.
+
+    Parameters
+    ----------
+    family
+        The encoder's adapter.
+    candidates
+        Per position, the token ids the first block allows there (:mod:`.tokens`).
+    span
+        Block 0's MLP-input span.
+    end
+        The token every sentence ends with, or None when the last position holds several
+        candidates: the longest sentence (it ends at the last position) is searched first and
+        its last token is taken as every sentence's.
+    total
+        The span's rank: the batch's distinct token positions, which the sentences found must
+        fill.
+    deadline
+        ``time.perf_counter()`` value after which the search stops as ``"budget"``.
+    seed
+        Seeds the starting points.
+    """
+    out = Relaxed()
+    if not candidates:
+        return out
+    table = _table(family, candidates)
+    generator = torch.Generator().manual_seed(seed)
+    ends = _ends(candidates, end)
+    pool = _Pool.new(table, min(MAX_RUNS, STARTS * max(4, len(ends))), ends, total, end,
+                     generator)
+    idle, before = 0, None
+    while not passed(deadline) and idle < IDLE_STEPS:
+        for _ in range(CHECK):
+            cost, grad = _cost(family, span, table, pool, out.sentences)
+            pool.step(grad)
+        idle += CHECK
+        exact = _exact(family, span, table, pool.logits, pool.alive())
+        for sent in exact.values():
+            if sent not in out.sentences:
+                out.sentences.append(sent)
+                idle = 0
+        left = total - sum(len(x) for x in out.sentences)
+        if left <= 0:
+            break
+        if end is None and out.sentences:
+            end = out.sentences[0][-1]
+            ends = [p for p in _ends(candidates, end) if p < left]
+            if not ends:
+                break
+            pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, left, end,
+                             generator)
+            continue
+        stale = pool.steps >= STEPS
+        if before is not None and before.shape == cost.shape:
+            stale |= (pool.steps >= 2 * CHECK) & (cost > PLATEAU * before)
+        done = sorted(set(exact) | set(torch.nonzero(stale).flatten().tolist()))
+        fit = [p for p in ends if p < left]
+        if not fit:
+            break
+        if done:
+            out.restarts += len(done)
+            pool.restart(done, _lengths(fit, len(done), left), table, end, generator)
+            pool.trim()
+        before = cost
+    left = total - sum(len(x) for x in out.sentences)
+    out.stopped = ("complete" if left == 0 else "budget" if passed(deadline) else
+                   "ambiguous")
+    out.sentences.sort(key=len, reverse=True)
+    return out
+
+
+def _ends(candidates: list[torch.Tensor], end: int | None) -> list[int]:
+    """The positions a sentence may end at: where ``end`` was seen (the last one if unknown)."""
+    if end is None:
+        return [len(candidates) - 1]
+    return [p for p, c in enumerate(candidates) if end in c.tolist()][::-1]
+
+
+def _lengths(ends: list[int], count: int, left: int) -> list[int]:
+    """``count`` sentence lengths, cycling over the ends that fit in ``left`` positions."""
+    fit = [p + 1 for p in ends if p + 1 <= left] or [ends[-1] + 1]
+    return [fit[i % len(fit)] for i in range(count)]

@@ -1,0 +1,117 @@
+"""The relaxed search over whole sentences of an encoder (``fl_attack.text.relaxed``).
+
+Contracts: the relaxation at one-hot weights is block 0 itself; every sentence the search
+returns lies, position by position, in block 0's MLP-input span; a search that ends
+``complete`` has filled the span's rank with the batch's sentences; the caller's model gains no
+gradient; the search ends at its deadline; through ``invert_text`` a batch whose first block
+does not separate the positions is certified only when exact, and otherwise says so
+(``limit == "positions"``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fl_attack.testbed import text as tt  # noqa: E402
+from fl_attack.text import invert_text, relaxed  # noqa: E402
+from fl_attack.text.attack import _eval, _spans, _validated  # noqa: E402
+from fl_attack.text.encoder import mlp_inputs, pairs  # noqa: E402
+from fl_attack.text.families import family_of  # noqa: E402
+from fl_attack.text.span import ACCEPT  # noqa: E402
+from fl_attack.text.tokens import filter_tokens  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CLS, SEP = 1, 2
+
+
+def _shared(seed: int, lengths: list[int]) -> list[list[int]]:
+    """``[CLS] ... [SEP]`` sentences of random tokens, three of them repeated at other
+    positions of other sentences (with the ends at several positions, the first block then
+    does not say which token stands where)."""
+    g = torch.Generator().manual_seed(seed)
+    inner = torch.randperm(487, generator=g)[: sum(n - 2 for n in lengths)] + 3
+    out, at = [], 0
+    for n in lengths:
+        out.append([CLS, *inner[at: at + n - 2].tolist(), SEP])
+        at += n - 2
+    out[1][1], out[2][2], out[1][5] = out[0][1], out[0][4], out[2][3]
+    return out
+
+
+def _setting(truth: list[list[int]]):
+    model = tt.tiny_bert()
+    grads = tt.classification_gradients(model, truth, [i % 2 for i in range(len(truth))])
+    family = family_of(model)
+    with _eval(model):
+        spans, _ = _spans(family, _validated(family, grads), None)
+        bag = filter_tokens(family, spans["attn0"], deadline=None)
+    return model, family, spans, bag
+
+
+def test_the_relaxation_at_one_hot_weights_is_block_0():
+    truth = _shared(0, [9, 7, 6])
+    _, family, _, bag = _setting(truth)
+    table = relaxed._table(family, bag.candidates)
+    width = max(map(len, truth))
+    pi = torch.zeros(len(truth), width, table.ids.shape[1])
+    tokens = torch.zeros(len(truth), width, dtype=torch.long)
+    for s, sent in enumerate(truth):
+        for p, t in enumerate(sent):
+            pi[s, p, int(torch.nonzero(table.ids[p] == t)[0])] = 1.0
+            tokens[s, p] = t
+    lengths = torch.tensor([len(s) for s in truth])
+    alive = torch.arange(width)[None] < lengths[:, None]
+    with torch.no_grad():
+        got = relaxed._mlp_inputs(family, table, pi, alive)
+        want = mlp_inputs(family, tokens, lengths)
+    assert torch.allclose(got[alive], want[alive], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[12, 8, 5], [9, 9, 7, 5]])
+def test_every_sentence_returned_lies_in_the_span_and_complete_means_the_batch(lengths):
+    truth = _shared(5, lengths)
+    model, family, spans, bag = _setting(truth)
+    assert pairs(family, bag.candidates, spans["attn0"].rank) is None   # not separated
+    got = relaxed.search(family, bag.candidates, spans["mlp"], end=None,
+                         total=spans["mlp"].rank, deadline=time.perf_counter() + 60)
+    assert all(p.grad is None for p in model.parameters())
+    for sent in got.sentences:
+        n = len(sent)
+        with torch.no_grad():
+            h = mlp_inputs(family, torch.tensor([sent]), torch.tensor([n]))
+        assert float(spans["mlp"].score(h[0])[1].max()) < ACCEPT
+    assert len({tuple(s) for s in got.sentences}) == len(got.sentences)
+    if got.stopped == "complete":
+        assert sum(map(len, got.sentences)) == spans["mlp"].rank
+        assert sorted(got.sentences) == sorted(truth)
+
+
+def test_the_search_ends_at_its_deadline():
+    truth = _shared(5, [12, 8, 5])
+    _, family, spans, bag = _setting(truth)
+    t0 = time.perf_counter()
+    got = relaxed.search(family, bag.candidates, spans["mlp"], end=SEP,
+                         total=spans["mlp"].rank, deadline=t0)
+    assert got.stopped in {"budget", "complete"}
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("lengths", [[12, 8, 5], [10, 9, 7, 6]])
+def test_unseparated_positions_are_certified_only_when_exact(lengths):
+    truth = _shared(2, lengths)
+    model = tt.tiny_bert()
+    labels = [i % 2 for i in range(len(truth))]
+    rec = invert_text(model, tt.classification_gradients(model, truth, labels))
+    assert rec.bag == sorted({t for s in truth for t in s})
+    if rec.certified:
+        assert sorted(rec.token_ids) == sorted(truth)
+        assert sorted(zip(rec.token_ids, rec.labels, strict=True)) == \
+            sorted(zip(truth, labels, strict=True))
+    else:
+        assert rec.limit == "positions" or rec.stopped != "complete", rec.reason
+        assert all(s in truth for s in rec.token_ids)
