@@ -46,7 +46,10 @@ def load(name: str):
     """The model and a tokenizer (SmolLM2's for GPT-2 too: GPT-2's own is not shipped
     offline; MiniLM's own)."""
     if name == "minilm":
-        return tt.minilm()
+        model, tok = tt.minilm()
+        # the server sent the model and knows its tokenizer: the sentences' ending token
+        model.config.sep_token_id = tok.sep_token_id
+        return model, tok
     model, tok = tt.smollm2()
     if name == "smollm2":
         return model, tok

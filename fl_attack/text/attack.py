@@ -211,8 +211,7 @@ def _relaxed(family: Family, cands: list[torch.Tensor], spans: dict[str, Span | 
              clock: Clock) -> encoder.Found:
     """The sentences of an encoder whose first block does not separate the positions
     (:mod:`fl_attack.text.relaxed`)."""
-    got = relaxed.search(family, cands, spans["mlp"],
-                         end=int(cands[-1][0]) if len(cands[-1]) == 1 else None,
+    got = relaxed.search(family, cands, spans["mlp"], end=_ending(family, cands[-1]),
                          total=spans["mlp"].rank, deadline=clock.deadline)
     if not got.sentences:
         return encoder.Found([], [], float("inf"), got.stopped)
@@ -221,6 +220,15 @@ def _relaxed(family: Family, cands: list[torch.Tensor], spans: dict[str, Span | 
     tokens = torch.tensor([s + [0] * (width - len(s)) for s in got.sentences], device=device)
     lengths = torch.tensor([len(s) for s in got.sentences], device=device)
     return encoder.finish(family, spans, tokens, lengths, got.stopped)
+
+
+def _ending(family: Family, last: torch.Tensor) -> int | None:
+    """The token every sentence ends with: the only one seen at the last position, else the
+    config's ``sep_token_id`` where it was seen there, else unknown (None)."""
+    if last.numel() == 1:
+        return int(last[0])
+    sep = getattr(getattr(family.model, "config", None), "sep_token_id", None)
+    return int(sep) if isinstance(sep, int) and sep in last.tolist() else None
 
 
 def _encoder_certificate(family: Family, grads: dict[str, torch.Tensor],

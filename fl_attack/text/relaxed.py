@@ -23,8 +23,8 @@ time (sentences pass through the encoder independently):
    the sentences found fill the MLP span's rank (every position of the batch accounted for),
    or at its budget.
 
-The lengths tried are the positions where the ending token was seen (longest first), only
-those that still fit in the positions not yet accounted for. A relaxation like this is in the
+The lengths tried are the positions where the ending token was seen, only those that still
+fit in the positions not yet accounted for. A relaxation like this is in the
 spirit of the gradient-matching attacks (TAG, LAMP), but its cost is the span test, whose
 zero is exact, and its tokens are those the first block allows.
 """
@@ -53,7 +53,7 @@ PLATEAU = 0.95
 #: Runs per possible sentence length, side by side.
 STARTS = 4
 #: Steps without a new sentence after which the search gives up.
-IDLE_STEPS = 1800
+IDLE_STEPS = 6000
 #: Most runs side by side.
 MAX_RUNS = 64
 #: Weight of the overlap penalty against the sentences found.
@@ -171,9 +171,10 @@ class _Pool:
         self.lengths[idx] = torch.tensor(lengths, device=self.logits.device)
         width = self.logits.shape[1]
         mask = table.valid[:width].expand(len(rows), -1, -1).clone()
-        if end is not None:
-            last = self.lengths[idx] - 1
-            mask[torch.arange(len(rows)), last] &= table.ids[last] == end
+        last = self.lengths[idx] - 1
+        ending = table.ids[last] == end if end is not None else \
+            torch.isin(table.ids[last], table.ids[-1][table.valid[-1]])
+        mask[torch.arange(len(rows)), last] &= ending
         init = torch.randn(mask.shape, generator=generator).to(self.logits) * INIT_SPREAD
         self.logits[idx] = init.masked_fill(~mask, float("-inf"))
         self.mean[idx], self.square[idx], self.steps[idx] = 0.0, 0.0, 0
@@ -246,8 +247,8 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
         Block 0's MLP-input span.
     end
         The token every sentence ends with, or None when the last position holds several
-        candidates: the longest sentence (it ends at the last position) is searched first and
-        its last token is taken as every sentence's.
+        candidates: the runs then end with any token seen at the last position (the longest
+        sentence ends there), and the first sentence found gives every sentence's.
     total
         The span's rank: the batch's distinct token positions, which the sentences found must
         fill.
@@ -262,8 +263,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
     table = _table(family, candidates)
     generator = torch.Generator().manual_seed(seed)
     ends = _ends(candidates, end)
-    pool = _Pool.new(table, min(MAX_RUNS, STARTS * max(4, len(ends))), ends, total, end,
-                     generator)
+    pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, total, end, generator)
     idle, before = 0, None
     while not passed(deadline) and idle < IDLE_STEPS:
         for _ in range(CHECK):
@@ -285,6 +285,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
                 break
             pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, left, end,
                              generator)
+            idle = 0
             continue
         stale = pool.steps >= STEPS
         if before is not None and before.shape == cost.shape:
@@ -306,13 +307,18 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
 
 
 def _ends(candidates: list[torch.Tensor], end: int | None) -> list[int]:
-    """The positions a sentence may end at: where ``end`` was seen (the last one if unknown)."""
-    if end is None:
-        return [len(candidates) - 1]
-    return [p for p, c in enumerate(candidates) if end in c.tolist()][::-1]
+    """The positions a sentence may end at, last first: where ``end`` was seen, or, with
+    ``end`` unknown, where a token seen at the last position was (the ending token is one of
+    those: the longest sentence ends there)."""
+    last = set(candidates[-1].tolist()) if end is None else {end}
+    return [p for p, c in enumerate(candidates) if last & set(c.tolist())][::-1]
 
 
 def _lengths(ends: list[int], count: int, left: int) -> list[int]:
-    """``count`` sentence lengths, cycling over the ends that fit in ``left`` positions."""
+    """``count`` sentence lengths, cycling over the ends that fit in ``left`` positions; a
+    third of them ``left`` itself where a sentence can end there (one sentence left)."""
     fit = [p + 1 for p in ends if p + 1 <= left] or [ends[-1] + 1]
-    return [fit[i % len(fit)] for i in range(count)]
+    out = [fit[i % len(fit)] for i in range(count)]
+    if left in fit and len(fit) > 1:
+        out[::3] = [left] * len(out[::3])
+    return out
