@@ -163,17 +163,13 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
                                   seconds=clock.elapsed(), **common)
     found_pairs = encoder.pairs(family, cands, spans["attn0"].rank)
     t0 = time.perf_counter()
-    if found_pairs is None:
-        found = _relaxed(family, cands, spans, clock)
-    else:
-        options = encoder.layouts(found_pairs, spans["mlp"].rank, batch_size)
-        if not options:
-            return TextReconstruction(
-                [], [], False, "ambiguous",
-                "no sentence lengths fit: the sentences do not all end with the token the "
-                f"longest ends with, or their positions ({spans['mlp'].rank}) do not add up",
-                seconds=clock.elapsed(), **common)
+    options = ([] if found_pairs is None else
+               encoder.layouts(found_pairs, spans["mlp"].rank, batch_size))
+    if options:
         found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
+    else:   # positions not separated, or no layout of lengths fits the pairs
+        found_pairs = None
+        found = _relaxed(family, cands, spans, clock)
     clock.tick("sequences", t0)
     t0 = time.perf_counter()
     labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, found)
@@ -195,8 +191,8 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
         limit = "positions"
         reason = (f"read the batch's {len(common['bag'])} distinct tokens; the first block does "
                   f"not say where they stand ({sum(int(c.numel()) for c in cands)} (token, "
-                  f"position) pairs lie in block 0's span of rank {spans['attn0'].rank}: "
-                  "tokens repeated across sentences and positions), and the search over "
+                  f"position) pairs lie in block 0's span of rank {spans['attn0'].rank} and "
+                  "no layout of sentence lengths places them), and the search over "
                   f"whole sentences filled {sum(map(len, found.tokens))} of the "
                   f"{spans['mlp'].rank} positions; " + reason)
     return TextReconstruction(found.tokens, sequences, certified, found.stopped, reason,
