@@ -126,3 +126,17 @@ def test_the_ending_token_is_the_configs_separator_where_it_was_seen():
     model.config.sep_token_id = SEP
     assert _ending(family, last) == SEP
     assert _ending(family, torch.tensor([7, 11])) is None         # set, but not seen there
+
+
+def test_a_trimmed_pool_grows_again_for_a_longer_restart():
+    truth = _shared(5, [12, 8, 5])
+    _, family, spans, bag = _setting(truth)
+    table = relaxed._table(family, bag.candidates)
+    g = torch.Generator().manual_seed(0)
+    pool = relaxed._Pool.new(table, 4, [4], 5, SEP, g)
+    pool.trim()
+    assert pool.logits.shape[1] == 5
+    pool.restart([1], [12], table, SEP, g)
+    assert pool.logits.shape[1] == 12 and pool.mean.shape == pool.logits.shape
+    assert bool(torch.isinf(pool.logits[0, 5:]).all())           # other runs: nothing there
+    assert int(pool.alive()[1].sum()) == 12

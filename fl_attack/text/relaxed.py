@@ -170,6 +170,12 @@ class _Pool:
         idx = torch.tensor(rows, device=self.logits.device)
         self.lengths[idx] = torch.tensor(lengths, device=self.logits.device)
         width = self.logits.shape[1]
+        if max(lengths) > width:       # positions dropped by trim() are needed again
+            grow = (0, 0, 0, max(lengths) - width)
+            self.logits = torch.nn.functional.pad(self.logits, grow, value=float("-inf"))
+            self.mean, self.square = (torch.nn.functional.pad(t, grow) for t in
+                                      (self.mean, self.square))
+            width = max(lengths)
         mask = table.valid[:width].expand(len(rows), -1, -1).clone()
         last = self.lengths[idx] - 1
         ending = table.ids[last] == end if end is not None else \
