@@ -13,20 +13,23 @@ time (sentences pass through the encoder independently):
 
 1. Each position ``p`` of a sentence of length ``n`` holds a distribution ``π_p`` over the
    tokens seen there (the last position: the token every sentence ends with); block 0 reads
-   the mixture ``Σ_t π_p(t) x(t, p)`` of their normalised embeddings.
+   the mixture of their residual streams, queries, keys and values (block 0 itself where
+   ``π`` is one-hot).
 2. The relaxed cost is ``Σ_p dist(m_p, span)²`` of block 0's MLP inputs ``m_p``, plus a
    penalty on overlap with the sentences already found (else a run of another length is drawn
    to a found sentence with one more ending token). Adam on the logits of ``π`` from random
-   starts, many starts and lengths in one batch.
+   starts, up to ``MAX_RUNS`` runs of several lengths side by side.
 3. Every ``CHECK`` steps the most likely token of each position forms a sentence, kept when
-   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`). The search ends when
-   the sentences found fill the MLP span's rank (every position of the batch accounted for),
-   or at its budget.
+   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`); a run that found
+   one, reached ``STEPS`` or stopped improving (``PLATEAU``) restarts from new random
+   logits. The search ends when the sentences found fill the MLP span's rank (every position
+   of the batch accounted for), at its budget, or after ``IDLE_STEPS`` without a new one.
 
 The lengths tried are the positions where the ending token was seen, only those that still
-fit in the positions not yet accounted for. A relaxation like this is in the
-spirit of the gradient-matching attacks (TAG, LAMP), but its cost is the span test, whose
-zero is exact, and its tokens are those the first block allows.
+fit in the positions not yet accounted for, a third of the restarts at the length that fills
+them. A relaxation like this is in the spirit of the gradient-matching attacks (TAG, LAMP),
+but its cost is the span test, whose zero is exact, and its tokens are those the first block
+allows.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ class Relaxed:
         first.
     stopped : str
         ``"complete"`` (their positions fill the span's rank), ``"budget"``, or
-        ``"ambiguous"`` (every round ended without filling it).
+        ``"ambiguous"`` (``IDLE_STEPS`` steps without a new sentence, or no length left
+        that a sentence can end at).
     restarts : int
         Runs restarted (after finding a sentence or ``STEPS`` steps without one).
     """
