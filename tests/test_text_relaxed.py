@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from fl_attack.testbed import text as tt  # noqa: E402
 from fl_attack.text import invert_text, relaxed  # noqa: E402
-from fl_attack.text.attack import _ending, _eval, _spans, _validated  # noqa: E402
+from fl_attack.text.attack import _eval, _spans, _validated  # noqa: E402
 from fl_attack.text.encoder import mlp_inputs, pairs  # noqa: E402
 from fl_attack.text.families import family_of  # noqa: E402
 from fl_attack.text.span import ACCEPT  # noqa: E402
@@ -121,11 +121,11 @@ def test_the_ending_token_is_the_configs_separator_where_it_was_seen():
     model = tt.tiny_bert()
     family = family_of(model)
     last = torch.tensor([7, SEP, 11])
-    assert _ending(family, torch.tensor([SEP])) == SEP            # the only token there
-    assert _ending(family, last) is None                          # not set: unknown
+    assert relaxed.ending(family, torch.tensor([SEP])) == SEP            # the only token there
+    assert relaxed.ending(family, last) is None                          # not set: unknown
     model.config.sep_token_id = SEP
-    assert _ending(family, last) == SEP
-    assert _ending(family, torch.tensor([7, 11])) is None         # set, but not seen there
+    assert relaxed.ending(family, last) == SEP
+    assert relaxed.ending(family, torch.tensor([7, 11])) is None         # set, but not seen there
 
 
 def test_a_trimmed_pool_grows_again_for_a_longer_restart():

@@ -169,7 +169,7 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
         found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
     else:   # positions not separated, or no layout of lengths fits the pairs
         found_pairs = None
-        found = _relaxed(family, cands, spans, clock)
+        found = relaxed.read(family, cands, spans, deadline=clock.deadline)
     clock.tick("sequences", t0)
     t0 = time.perf_counter()
     labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, found)
@@ -201,30 +201,6 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
                                        "tokens_rejected_min": bag.rejected_min,
                                        "positions_worst": found.worst},
                               timings=dict(clock.timings), seconds=clock.elapsed(), **common)
-
-
-def _relaxed(family: Family, cands: list[torch.Tensor], spans: dict[str, Span | None],
-             clock: Clock) -> encoder.Found:
-    """The sentences of an encoder whose first block does not separate the positions
-    (:mod:`fl_attack.text.relaxed`)."""
-    got = relaxed.search(family, cands, spans["mlp"], end=_ending(family, cands[-1]),
-                         total=spans["mlp"].rank, deadline=clock.deadline)
-    if not got.sentences:
-        return encoder.Found([], [], float("inf"), got.stopped)
-    width = max(len(s) for s in got.sentences)
-    device = cands[0].device
-    tokens = torch.tensor([s + [0] * (width - len(s)) for s in got.sentences], device=device)
-    lengths = torch.tensor([len(s) for s in got.sentences], device=device)
-    return encoder.finish(family, spans, tokens, lengths, got.stopped)
-
-
-def _ending(family: Family, last: torch.Tensor) -> int | None:
-    """The token every sentence ends with: the only one seen at the last position, else the
-    config's ``sep_token_id`` where it was seen there, else unknown (None)."""
-    if last.numel() == 1:
-        return int(last[0])
-    sep = getattr(getattr(family.model, "config", None), "sep_token_id", None)
-    return int(sep) if isinstance(sep, int) and sep in last.tolist() else None
 
 
 def _encoder_certificate(family: Family, grads: dict[str, torch.Tensor],

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fl_attack.core.clock import passed
+from fl_attack.text import encoder
 from fl_attack.text.families import Family
 from fl_attack.text.span import ACCEPT, Span
 
@@ -332,3 +333,29 @@ def _lengths(ends: list[int], count: int, left: int) -> list[int]:
     if left in fit and len(fit) > 1:
         out[::3] = [left] * len(out[::3])
     return out
+
+
+def ending(family: Family, last: torch.Tensor) -> int | None:
+    """The token every sentence ends with: the only one seen at the last position (``last``),
+    else the config's ``sep_token_id`` where it was seen there, else unknown (None)."""
+    if last.numel() == 1:
+        return int(last[0])
+    sep = getattr(getattr(family.model, "config", None), "sep_token_id", None)
+    return int(sep) if isinstance(sep, int) and sep in last.tolist() else None
+
+
+def read(family: Family, candidates: list[torch.Tensor], spans: dict[str, Span | None], *,
+         deadline: float | None) -> encoder.Found:
+    """:func:`search` on block 0's MLP-input span, as the encoder path's :class:`Found`."""
+    span = spans.get("mlp")
+    if span is None:
+        raise ValueError("the relaxed search reads block 0's MLP-input span: it is missing")
+    got = search(family, candidates, span, end=ending(family, candidates[-1]),
+                 total=span.rank, deadline=deadline)
+    if not got.sentences:
+        return encoder.Found([], [], float("inf"), got.stopped)
+    width = max(len(s) for s in got.sentences)
+    device = candidates[0].device
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in got.sentences], device=device)
+    lengths = torch.tensor([len(s) for s in got.sentences], device=device)
+    return encoder.finish(family, spans, tokens, lengths, got.stopped)
