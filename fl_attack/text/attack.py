@@ -165,11 +165,9 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
     t0 = time.perf_counter()
     options = ([] if found_pairs is None else
                encoder.layouts(found_pairs, spans["mlp"].rank, batch_size))
-    if options:
-        found = encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline)
-    else:   # positions not separated, or no layout of lengths fits the pairs
-        found_pairs = None
-        found = relaxed.read(family, cands, spans, deadline=clock.deadline)
+    whole = not options   # positions not separated, or no layout of lengths fits the pairs
+    found = (relaxed.read(family, cands, spans, deadline=clock.deadline) if whole else
+             encoder.assemble(family, found_pairs, spans, options, deadline=clock.deadline))
     clock.tick("sequences", t0)
     t0 = time.perf_counter()
     labels, unproven, residuals = _encoder_certificate(family, grads, storage, used, found)
@@ -187,7 +185,7 @@ def _run_encoder(family: Family, grads: dict[str, torch.Tensor],
               "with them reproduces the update" if certified else
               f"read {n} sentence(s), not certified: " + "; ".join(unproven))
     limit = None
-    if found_pairs is None and found.stopped != "complete":
+    if whole and found.stopped != "complete":
         limit = "positions"
         reason = (f"read the batch's {len(common['bag'])} distinct tokens; the first block does "
                   f"not say where they stand ({sum(int(c.numel()) for c in cands)} (token, "

@@ -168,7 +168,7 @@ def mlp_inputs(family: Family, tokens: torch.Tensor, lengths: torch.Tensor) -> t
     return family.mlp_input(family.after_attention(e, att))
 
 
-def _scores(family: Family, span: Span, tokens: torch.Tensor, lengths: torch.Tensor
+def scores(family: Family, span: Span, tokens: torch.Tensor, lengths: torch.Tensor
             ) -> torch.Tensor:
     """(N, L) scores at block 0's MLP input (0 past each sentence's end)."""
     h = mlp_inputs(family, tokens, lengths)
@@ -190,7 +190,7 @@ def assemble(family: Family, found: Pairs, spans: dict[str, Span | None],
                 stopped = "budget"
                 break
             tokens, lengths = _descend(family, span, found, option, seed, deadline)
-            worst = float(_scores(family, span, tokens, lengths).max())
+            worst = float(scores(family, span, tokens, lengths).max())
             if best is None or worst < best[0]:
                 best = (worst, tokens, lengths)
             if worst < ACCEPT:
@@ -280,7 +280,7 @@ def _descend(family: Family, span: Span, found: Pairs, option: Layout, seed: int
     """Steepest descent of ``Σ log(1 + score)`` from one initial assignment."""
     tokens, fixed = _start(found, option, seed)
     lengths = torch.tensor(option.lengths, device=tokens.device)
-    cost = torch.log1p(_scores(family, span, tokens, lengths)).sum(1)
+    cost = torch.log1p(scores(family, span, tokens, lengths)).sum(1)
     while not passed(deadline):
         moves = _moves(tokens, fixed, option.lengths, found, option.end)
         if not moves:
@@ -294,7 +294,7 @@ def _descend(family: Family, span: Span, found: Pairs, option: Layout, seed: int
                 rows.append(row)
                 owner.append(s)
                 which.append(i)
-        new = torch.log1p(_scores(family, span, torch.stack(rows), lengths[owner])).sum(1)
+        new = torch.log1p(scores(family, span, torch.stack(rows), lengths[owner])).sum(1)
         delta = torch.zeros(len(moves), dtype=new.dtype, device=new.device)
         delta.index_add_(0, torch.tensor(which, device=new.device), new - cost[owner])
         i = int(delta.argmin())
@@ -302,5 +302,5 @@ def _descend(family: Family, span: Span, found: Pairs, option: Layout, seed: int
             break
         for s, p, k in moves[i]:
             tokens[s, p] = k
-        cost = torch.log1p(_scores(family, span, tokens, lengths)).sum(1)
+        cost = torch.log1p(scores(family, span, tokens, lengths)).sum(1)
     return tokens, lengths

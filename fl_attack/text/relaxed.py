@@ -125,7 +125,8 @@ def _mlp_inputs(family: Family, table: _Table, pi: torch.Tensor, alive: torch.Te
 
 
 def _relative_residual(span: Span, m: torch.Tensor) -> torch.Tensor:
-    """Squared relative distance of each row (..., d) to the span, in m's dtype."""
+    """Squared relative distance of each row (..., d) to the span, in m's dtype: the
+    relaxation's differentiable float32 cost (the decisions use :meth:`Span.score`, float64)."""
     basis = span.basis.to(m.dtype)
     r = m - (m @ basis) @ basis.T
     return (r.norm(dim=-1) / m.norm(dim=-1).clamp_min(1e-30)) ** 2
@@ -231,16 +232,13 @@ def _cost(family: Family, span: Span, table: _Table, pool: _Pool, found: list[li
 
 
 @torch.no_grad()
-def _exact(family: Family, span: Span, table: _Table, logits: torch.Tensor,
-           alive: torch.Tensor) -> dict[int, list[int]]:
+def _exact(family: Family, span: Span, table: _Table, pool: _Pool) -> dict[int, list[int]]:
     """Per run, its most likely sentence if every position of it lies in the span."""
-    choice = logits.argmax(-1)                                              # (N, L)
-    pi = torch.nn.functional.one_hot(choice, logits.shape[-1]).to(table.stream)
-    _, score = span.score(_mlp_inputs(family, table, pi, alive).flatten(0, 1))
-    ok = ((score.view(alive.shape) < ACCEPT) | ~alive).all(-1)
-    tokens = torch.gather(table.ids.expand(len(choice), -1, -1)[:, :choice.shape[1]], 2,
+    choice = pool.logits.argmax(-1)                                         # (N, L)
+    tokens = torch.gather(table.ids[:choice.shape[1]].expand(len(choice), -1, -1), 2,
                           choice[..., None])[..., 0]
-    return {i: tokens[i, :int(alive[i].sum())].tolist()
+    ok = (encoder.scores(family, span, tokens, pool.lengths) < ACCEPT).all(-1)
+    return {i: tokens[i, :int(pool.lengths[i])].tolist()
             for i in torch.nonzero(ok).flatten().tolist()}
 
 
@@ -281,7 +279,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
             cost, grad = _cost(family, span, table, pool, out.sentences)
             pool.step(grad)
         idle += CHECK
-        exact = _exact(family, span, table, pool.logits, pool.alive())
+        exact = _exact(family, span, table, pool)
         for sent in exact.values():
             if sent not in out.sentences:
                 out.sentences.append(sent)
