@@ -23,6 +23,7 @@ from fl_attack.text.attack import _eval, _spans, _validated  # noqa: E402
 from fl_attack.text.encoder import mlp_inputs, pairs  # noqa: E402
 from fl_attack.text.families import family_of  # noqa: E402
 from fl_attack.text.span import ACCEPT  # noqa: E402
+from fl_attack.text.table import build, chosen, mixed  # noqa: E402
 from fl_attack.text.tokens import filter_tokens  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,7 +57,7 @@ def _setting(truth: list[list[int]]):
 def test_the_relaxation_at_one_hot_weights_is_block_0():
     truth = _shared(0, [9, 7, 6])
     _, family, _, bag = _setting(truth)
-    table = relaxed._table(family, bag.candidates)
+    table = build(family, bag.candidates)
     width = max(map(len, truth))
     pi = torch.zeros(len(truth), width, table.ids.shape[1])
     tokens = torch.zeros(len(truth), width, dtype=torch.long)
@@ -67,9 +68,11 @@ def test_the_relaxation_at_one_hot_weights_is_block_0():
     lengths = torch.tensor([len(s) for s in truth])
     alive = torch.arange(width)[None] < lengths[:, None]
     with torch.no_grad():
-        got = relaxed._mlp_inputs(family, table, pi, alive)
+        got = mixed(family, table, pi, alive)
+        at = chosen(family, table, pi.argmax(-1), alive)
         want = mlp_inputs(family, tokens, lengths)
     assert torch.allclose(got[alive], want[alive], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(at[alive], want[alive], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", [[12, 8, 5], [9, 9, 7, 5]])
@@ -131,7 +134,7 @@ def test_the_ending_token_is_the_configs_separator_where_it_was_seen():
 def test_a_trimmed_pool_grows_again_for_a_longer_restart():
     truth = _shared(5, [12, 8, 5])
     _, family, spans, bag = _setting(truth)
-    table = relaxed._table(family, bag.candidates)
+    table = build(family, bag.candidates)
     g = torch.Generator().manual_seed(0)
     pool = relaxed._Pool.new(table, 4, [4], 5, SEP, g)
     pool.trim()

@@ -20,8 +20,10 @@ time (sentences pass through the encoder independently):
    to a found sentence with one more ending token). Adam on the logits of ``π`` from random
    starts, up to ``MAX_RUNS`` runs of several lengths side by side.
 3. Every ``CHECK`` steps the most likely token of each position forms a sentence, kept when
-   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`); a run that found
-   one, reached ``STEPS`` or stopped improving (``PLATEAU``) restarts from new random
+   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`); the ``POLISH`` runs
+   nearest the span are also finished by single-token substitutions
+   (:mod:`fl_attack.text.polish`: a run that settled with a wrong token or two). A run that
+   found one, reached ``STEPS`` or stopped improving (``PLATEAU``) restarts from new random
    logits. The search ends when the sentences found fill the MLP span's rank (every position
    of the batch accounted for), at its budget, or after ``IDLE_STEPS`` without a new one.
 
@@ -39,9 +41,10 @@ from dataclasses import dataclass, field
 import torch
 
 from fl_attack.core.clock import passed
-from fl_attack.text import encoder
+from fl_attack.text import encoder, polish
 from fl_attack.text.families import Family
 from fl_attack.text.span import ACCEPT, Span
+from fl_attack.text.table import Table, build, mixed
 
 #: Adam steps between two readings of the most likely sentences.
 CHECK = 100
@@ -62,6 +65,9 @@ IDLE_STEPS = 6000
 MAX_RUNS = 64
 #: Weight of the overlap penalty against the sentences found.
 OVERLAP = 0.1
+#: Runs whose most likely sentence is finished by substitutions (:mod:`.polish`) at each
+#: check, lowest cost per position first, each sentence once.
+POLISH = 4
 
 
 @dataclass
@@ -86,44 +92,6 @@ class Relaxed:
     restarts: int = 0
 
 
-@dataclass(frozen=True)
-class _Table:
-    """Per position, the candidate tokens (padded to K): their residual streams entering
-    block 0 and the queries, keys and values block 0 computes from them."""
-
-    stream: torch.Tensor   # (L, K, d)
-    qkv: tuple[torch.Tensor, ...]  # 3 x (L, K, heads, head_dim)
-    ids: torch.Tensor      # (L, K)
-    valid: torch.Tensor    # (L, K) bool
-
-
-@torch.no_grad()
-def _table(family: Family, candidates: list[torch.Tensor]) -> _Table:
-    length, k = len(candidates), max(int(c.numel()) for c in candidates)
-    rows = [family.embeddings(c, p) for p, c in enumerate(candidates)]
-    stream = rows[0].new_zeros(length, k, rows[0].shape[-1])
-    ids = torch.zeros(length, k, dtype=torch.long, device=stream.device)
-    valid = torch.zeros(length, k, dtype=torch.bool, device=stream.device)
-    for p, (c, row) in enumerate(zip(candidates, rows, strict=True)):
-        stream[p, :c.numel()], ids[p, :c.numel()], valid[p, :c.numel()] = row, c, True
-    flat = family.qkv(family.attn_input(0, stream.flatten(0, 1)), 0)
-    return _Table(stream, tuple(t.unflatten(0, (length, k)) for t in flat), ids, valid)
-
-
-def _mlp_inputs(family: Family, table: _Table, pi: torch.Tensor, alive: torch.Tensor
-                ) -> torch.Tensor:
-    """Block 0's MLP inputs (N, L, d) of relaxed sentences ``pi`` (N, L, K): each position's
-    stream, query, key and value are its candidates' mixed by ``pi`` (exact for one-hot
-    ``pi``); a position attends to the positions ``alive`` (N, L) in its sentence."""
-    w = pi.shape[1]
-    h = torch.einsum("nlk,lkd->nld", pi, table.stream[:w])
-    q, k, v = (torch.einsum("nlk,lkhe->nlhe", pi, t[:w]) for t in table.qkv)
-    s = torch.einsum("nphd,nqhd->nhpq", q, k) * family.scaling
-    s = s.masked_fill(~alive[:, None, None, :], float("-inf"))
-    att = torch.einsum("nhpq,nqhd->nphd", torch.softmax(s, dim=-1), v).flatten(2)
-    return family.mlp_input(family.after_attention(h, att))
-
-
 def _relative_residual(span: Span, m: torch.Tensor) -> torch.Tensor:
     """Squared relative distance of each row (..., d) to the span, in m's dtype: the
     relaxation's differentiable float32 cost (the decisions use :meth:`Span.score`, float64)."""
@@ -132,7 +100,7 @@ def _relative_residual(span: Span, m: torch.Tensor) -> torch.Tensor:
     return (r.norm(dim=-1) / m.norm(dim=-1).clamp_min(1e-30)) ** 2
 
 
-def _overlap(pi: torch.Tensor, table: _Table, alive: torch.Tensor, found: list[list[int]]
+def _overlap(pi: torch.Tensor, table: Table, alive: torch.Tensor, found: list[list[int]]
              ) -> torch.Tensor:
     """(N,) per found sentence, the squared mean probability of its tokens at its positions
     (over the positions both sentences have)."""
@@ -159,7 +127,7 @@ class _Pool:
     steps: torch.Tensor
 
     @classmethod
-    def new(cls, table: _Table, size: int, ends: list[int], left: int, end: int | None,
+    def new(cls, table: Table, size: int, ends: list[int], left: int, end: int | None,
             generator: torch.Generator) -> _Pool:
         """``size`` runs, their lengths cycling over the ``ends`` that fit in ``left``."""
         shape = (size, *table.ids.shape)
@@ -170,7 +138,7 @@ class _Pool:
         pool.restart(list(range(size)), _lengths(ends, size, left), table, end, generator)
         return pool
 
-    def restart(self, rows: list[int], lengths: list[int], table: _Table, end: int | None,
+    def restart(self, rows: list[int], lengths: list[int], table: Table, end: int | None,
                 generator: torch.Generator) -> None:
         """New random starts for ``rows``, with sentences of ``lengths``."""
         idx = torch.tensor(rows, device=self.logits.device)
@@ -216,14 +184,14 @@ class _Pool:
         self.logits -= LEARNING_RATE * m / (v.sqrt() + 1e-8)
 
 
-def _cost(family: Family, span: Span, table: _Table, pool: _Pool, found: list[list[int]]
+def _cost(family: Family, span: Span, table: Table, pool: _Pool, found: list[list[int]]
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each run's relaxed cost (N,) and its gradient with respect to the pool's logits."""
     logits = pool.logits.detach().requires_grad_()
     alive = pool.alive()
     with torch.enable_grad():
         pi = torch.softmax(logits, -1)
-        cost = (_relative_residual(span, _mlp_inputs(family, table, pi, alive)) * alive).sum(-1)
+        cost = (_relative_residual(span, mixed(family, table, pi, alive)) * alive).sum(-1)
         if found:
             cost = cost + OVERLAP * _overlap(pi, table, alive, found)
         # only the logits' gradient: the model's parameters are the caller's
@@ -231,15 +199,42 @@ def _cost(family: Family, span: Span, table: _Table, pool: _Pool, found: list[li
     return cost.detach(), grad
 
 
+def _rounded(table: Table, pool: _Pool) -> torch.Tensor:
+    """(N, L) each run's most likely sentence."""
+    choice = pool.logits.argmax(-1)
+    return torch.gather(table.ids[:choice.shape[1]].expand(len(choice), -1, -1), 2,
+                        choice[..., None])[..., 0]
+
+
 @torch.no_grad()
-def _exact(family: Family, span: Span, table: _Table, pool: _Pool) -> dict[int, list[int]]:
+def _exact(family: Family, span: Span, table: Table, pool: _Pool) -> dict[int, list[int]]:
     """Per run, its most likely sentence if every position of it lies in the span."""
-    choice = pool.logits.argmax(-1)                                         # (N, L)
-    tokens = torch.gather(table.ids[:choice.shape[1]].expand(len(choice), -1, -1), 2,
-                          choice[..., None])[..., 0]
+    tokens = _rounded(table, pool)
     ok = (encoder.scores(family, span, tokens, pool.lengths) < ACCEPT).all(-1)
     return {i: tokens[i, :int(pool.lengths[i])].tolist()
             for i in torch.nonzero(ok).flatten().tolist()}
+
+
+def _polished(family: Family, span: Span, table: Table, pool: _Pool, cost: torch.Tensor,
+              skip: dict[int, list[int]], tried: set[tuple[int, ...]],
+              deadline: float | None) -> dict[int, list[int]]:
+    """Per run, the sentence :func:`polish.polish` reaches from its most likely one, for the
+    ``POLISH`` runs of lowest cost per position not in ``skip`` whose sentence is not in
+    ``tried`` (updated)."""
+    choice, out, count = pool.logits.argmax(-1), {}, 0
+    for i in torch.argsort(cost / pool.lengths).tolist():
+        start = choice[i, :int(pool.lengths[i])]
+        key = tuple(start.tolist())
+        if count == POLISH:
+            break
+        if i in skip or key in tried:
+            continue
+        tried.add(key)
+        count += 1
+        got = polish.polish(family, span, table, start, deadline=deadline)
+        if got is not None:
+            out[i] = got
+    return out
 
 
 def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: int | None,
@@ -269,17 +264,18 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
     out = Relaxed()
     if not candidates:
         return out
-    table = _table(family, candidates)
+    table = build(family, candidates)
     generator = torch.Generator().manual_seed(seed)
     ends = _ends(candidates, end)
     pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, total, end, generator)
-    idle, before = 0, None
+    idle, before, tried = 0, None, set()
     while not passed(deadline) and idle < IDLE_STEPS:
         for _ in range(CHECK):
             cost, grad = _cost(family, span, table, pool, out.sentences)
             pool.step(grad)
         idle += CHECK
         exact = _exact(family, span, table, pool)
+        exact.update(_polished(family, span, table, pool, cost, exact, tried, deadline))
         for sent in exact.values():
             if sent not in out.sentences:
                 out.sentences.append(sent)

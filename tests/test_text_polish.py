@@ -1,0 +1,115 @@
+"""Single-token substitutions finishing an encoder sentence (``fl_attack.text.polish``).
+
+Contracts: the neighbours of a sentence are it with one position but the last replaced by a
+candidate there, each candidate once; a sentence one substitution from one of the batch is
+finished (the batch's sentence is among its neighbours, and a neighbour that passes the span
+test is returned); whatever polish returns passes the span test, keeps the ending token and is
+at most ``STEPS`` substitutions from where it started.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fl_attack.testbed import text as tt  # noqa: E402
+from fl_attack.text import polish  # noqa: E402
+from fl_attack.text.attack import _eval, _spans, _validated  # noqa: E402
+from fl_attack.text.encoder import scores  # noqa: E402
+from fl_attack.text.families import family_of  # noqa: E402
+from fl_attack.text.span import ACCEPT  # noqa: E402
+from fl_attack.text.table import build  # noqa: E402
+from fl_attack.text.tokens import filter_tokens  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CLS, SEP = 1, 2
+
+
+def _batch() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    inner = (torch.randperm(487, generator=g)[:21] + 3).tolist()
+    truth = [[CLS, *inner[:9], SEP], [CLS, *inner[9:15], SEP], [CLS, *inner[15:], SEP]]
+    truth[1][2], truth[2][3] = truth[0][2], truth[0][5]      # tokens shared across sentences
+    return truth
+
+
+def _setting():
+    truth = _batch()
+    model = tt.tiny_bert()
+    grads = tt.classification_gradients(model, truth, [0, 1, 0])
+    family = family_of(model)
+    with _eval(model):
+        spans, _ = _spans(family, _validated(family, grads), None)
+        bag = filter_tokens(family, spans["attn0"], deadline=None)
+    return truth, family, spans["mlp"], build(family, bag.candidates)
+
+
+def _indices(table, sentence: list[int]) -> torch.Tensor:
+    return torch.tensor([int(torch.nonzero(table.ids[p] == t)[0])
+                         for p, t in enumerate(sentence)])
+
+
+def _passes(family, span, sentence: list[int]) -> bool:
+    with torch.no_grad():
+        sc = scores(family, span, torch.tensor([sentence]), torch.tensor([len(sentence)]))
+    return bool((sc < ACCEPT).all())
+
+
+def test_the_neighbours_change_one_position_but_the_last():
+    valid = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]]).bool()
+    choice = torch.tensor([0, 1, 1, 0])
+    rows = polish.neighbours(choice, valid)
+    assert len(rows) == int(valid[:3].sum())
+    assert ((rows != choice).sum(1) <= 1).all()
+    assert (rows[:, -1] == 0).all()
+    assert {tuple(r) for r in rows.tolist()} == {
+        (0, 1, 1, 0), (0, 0, 1, 0), (0, 2, 1, 0), (0, 1, 0, 0)}
+
+
+def test_one_wrong_token_is_replaced_and_every_result_passes_the_span_test():
+    truth, family, span, table = _setting()
+    tried = 0
+    for sent in truth:
+        assert _passes(family, span, sent)                   # the premise: the batch passes
+        right = _indices(table, sent)
+        for q in range(1, len(sent) - 1):
+            others = [k for k in torch.nonzero(table.valid[q]).flatten().tolist()
+                      if k != int(right[q])]
+            if not others:
+                continue
+            start = right.clone()
+            start[q] = others[0]
+            tried += 1
+            got = polish.polish(family, span, table, start)
+            assert got is not None, (sent, q)
+            assert _passes(family, span, got) and got[-1] == SEP
+            assert sum(a != b for a, b in zip(got, table.ids[torch.arange(len(sent)), start]
+                                              .tolist(), strict=True)) == 1
+    assert tried >= 3          # the shared tokens give those positions other candidates
+
+
+def test_what_polish_returns_passes_and_is_within_reach():
+    truth, family, span, table = _setting()
+    g = torch.Generator().manual_seed(0)
+    for sent in truth:
+        n = len(sent)
+        for _ in range(3):
+            start = torch.randint(0, 1 << 30, (n,), generator=g) % table.valid[:n].sum(1)
+            start[-1] = _indices(table, sent)[-1]
+            got = polish.polish(family, span, table, start)
+            if got is not None:
+                tokens = table.ids[torch.arange(n), start].tolist()
+                assert _passes(family, span, got) and got[-1] == SEP
+                assert sum(a != b for a, b in zip(got, tokens, strict=True)) <= polish.STEPS
+
+
+def test_polish_starts_no_step_after_its_deadline():
+    truth, family, span, table = _setting()
+    right = _indices(table, truth[0])
+    q = next(q for q in range(1, len(right) - 1) if int(table.valid[q].sum()) > 1)
+    start = right.clone()
+    start[q] = (int(right[q]) + 1) % int(table.valid[q].sum())
+    assert polish.polish(family, span, table, start) is not None
+    assert polish.polish(family, span, table, start, deadline=0.0) is None
