@@ -4,9 +4,10 @@ The relaxed search (:mod:`fl_attack.text.relaxed`) often settles with one or two
 a wrong token. Rounded to its most likely tokens such a run is no sentence of the batch, and
 every one of its positions leaves block 0's MLP-input span (bidirectional attention spreads
 one wrong token over the whole sentence), yet the wrong position stands out: replacing its
-token by the right one brings every position back. So from the rounded sentence, each step
-tries every candidate token at every position but the last (the ending token) in one batch and
-keeps the substitution whose positions lie nearest the span, until a sentence passes the span
+token by the right one brings every position back, and its own position is the one pushed
+furthest. So from the rounded sentence, each step tries every candidate token at the
+``WORST`` positions of highest score but the last (the ending token) in one batch and keeps
+the substitution whose positions lie nearest the span, until a sentence passes the span
 test or no substitution improves it: a greedy descent on the discrete problem the relaxation
 approximates. Block 0 is read from the candidates' precomputed table
 (:mod:`fl_attack.text.table`), and a sentence found is checked once more through the model.
@@ -24,6 +25,10 @@ from fl_attack.text.table import Table, chosen
 
 #: Most substitutions tried in sequence from one sentence.
 STEPS = 4
+#: Positions tried at each step: those scoring highest. A wrong token's own position scores
+#: highest among the positions it pushes out of the span (measured on MiniLM: 7 of 8 single
+#: wrong tokens in 30-token sentences, the eighth second).
+WORST = 3
 
 
 def _cost(scores: torch.Tensor) -> torch.Tensor:
@@ -32,11 +37,12 @@ def _cost(scores: torch.Tensor) -> torch.Tensor:
     return torch.log1p(scores).sum(-1)
 
 
-def neighbours(choice: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(M, n) the sentence ``choice`` (n,) (candidate indices) with one position but the last
+def neighbours(choice: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+               ) -> torch.Tensor:
+    """(M, n) the sentence ``choice`` (n,) (candidate indices) with one of ``positions``
     replaced by each of its candidates (``valid`` (L, K)); the sentence itself among them."""
-    n = choice.numel()
-    where = torch.nonzero(valid[:n - 1])                                   # (M, 2)
+    where = torch.nonzero(valid[positions])                                # (M, 2)
+    where[:, 0] = positions[where[:, 0]]
     rows = choice.expand(len(where), -1).clone()
     rows[torch.arange(len(where)), where[:, 0]] = where[:, 1]
     return rows
@@ -75,12 +81,17 @@ def polish(family: Family, span: Span, table: Table, choice: torch.Tensor, *,
         (``score < ACCEPT``, checked through the model), reached by at most ``STEPS``
         single-token substitutions each of which lowers the cost; else None.
     """
-    at = torch.arange(choice.numel(), device=choice.device)
-    best = float(_cost(_scores(family, span, table, choice[None]))[0])
+    n = choice.numel()
+    at = torch.arange(n, device=choice.device)
+    free = table.valid[:n - 1].sum(1) > 1               # positions with a choice to make
+    now = _scores(family, span, table, choice[None])[0]
+    best = float(_cost(now))
     for _ in range(STEPS):
-        if passed(deadline):
+        if passed(deadline) or not bool(free.any()):
             return None
-        rows = neighbours(choice, table.valid)
+        ranked = now[:-1].masked_fill(~free, float("-inf"))
+        worst = torch.topk(ranked, min(WORST, int(free.sum()))).indices
+        rows = neighbours(choice, table.valid, worst)
         sc = _scores(family, span, table, rows)
         for i in torch.nonzero((sc < ACCEPT).all(-1)).flatten().tolist():
             tokens = table.ids[at, rows[i]]
@@ -91,5 +102,5 @@ def polish(family: Family, span: Span, table: Table, choice: torch.Tensor, *,
         pick = int(cost.argmin())
         if float(cost[pick]) >= best:
             return None
-        best, choice = float(cost[pick]), rows[pick]
+        best, choice, now = float(cost[pick]), rows[pick], sc[pick]
     return None
