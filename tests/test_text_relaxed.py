@@ -143,3 +143,30 @@ def test_a_trimmed_pool_grows_again_for_a_longer_restart():
     assert pool.logits.shape[1] == 12 and pool.mean.shape == pool.logits.shape
     assert bool(torch.isinf(pool.logits[0, 5:]).all())           # other runs: nothing there
     assert int(pool.alive()[1].sum()) == 12
+
+
+def test_the_vote_of_a_lengths_better_runs_and_the_lean_toward_it():
+    truth = _shared(5, [12, 8, 5])
+    _, family, spans, bag = _setting(truth)
+    table = build(family, bag.candidates)
+    g = torch.Generator().manual_seed(0)
+    pool = relaxed._Pool.new(table, 6, [4], 5, SEP, g)
+    pool.lengths[:] = 5
+    k = table.ids.shape[1]
+    picks = torch.tensor([[0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                          [0, 1, 1, 1, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 0]])
+    pool.logits = torch.nn.functional.one_hot(picks, k).float()
+    pool.logits[~table.valid[:5].expand(6, -1, -1)] = float("-inf")
+    cost = torch.tensor([0.1, 0.2, 0.3, 0.9, 0.8, 0.7])           # the first three vote
+    valid = table.valid[:5].sum(1) > 1
+    vote, share, best = relaxed._vote(table, pool, cost, 5)
+    assert best == 0
+    assert torch.equal(vote, torch.zeros(5, dtype=torch.long))    # most of the three hold 0
+    assert torch.allclose(share[valid], torch.tensor([1, 2 / 3, 2 / 3, 1, 1])[valid])
+    before = pool.logits.clone()
+    pool.lean([3], {5: (vote, share)})
+    lifted = torch.nonzero(pool.logits[3] != before[3])
+    agreed = torch.nonzero(share >= relaxed.AGREED).flatten()
+    assert sorted(lifted[:, 0].tolist()) == agreed.tolist()
+    assert (lifted[:, 1] == vote[lifted[:, 0]]).all()
+    assert torch.equal(pool.logits[4], before[4])                  # not restarted: untouched

@@ -20,12 +20,15 @@ time (sentences pass through the encoder independently):
    to a found sentence with one more ending token). Adam on the logits of ``π`` from random
    starts, up to ``MAX_RUNS`` runs of several lengths side by side.
 3. Every ``CHECK`` steps the most likely token of each position forms a sentence, kept when
-   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`); the ``POLISH`` runs
-   nearest the span are also finished by single-token substitutions
-   (:mod:`fl_attack.text.polish`: a run that settled with a wrong token or two). A run that
-   found one, reached ``STEPS`` or stopped improving (``PLATEAU``) restarts from new random
-   logits. The search ends when the sentences found fill the MLP span's rank (every position
-   of the batch accounted for), at its budget, or after ``IDLE_STEPS`` without a new one.
+   every position lies in the span (:data:`fl_attack.text.span.ACCEPT`). For the ``POLISH``
+   lengths whose best run lies nearest the span, the per-position vote of their runs and
+   their best run are also finished by single-token substitutions
+   (:mod:`fl_attack.text.polish`: runs of one length settle a few tokens from a sentence,
+   each at different positions). A run that found one, reached ``STEPS`` or stopped
+   improving (``PLATEAU``) restarts from new random logits, a share ``FOCUS`` of the
+   restarts at those lengths, tilted toward the tokens their runs agree on. The search ends
+   when the sentences found fill the MLP span's rank (every position of the batch accounted
+   for), at its budget, or after ``IDLE_STEPS`` without a new one.
 
 The lengths tried are the positions where the ending token was seen, only those that still
 fit in the positions not yet accounted for, a third of the restarts at the length that fills
@@ -65,9 +68,15 @@ IDLE_STEPS = 6000
 MAX_RUNS = 64
 #: Weight of the overlap penalty against the sentences found.
 OVERLAP = 0.1
-#: Runs whose most likely sentence is finished by substitutions (:mod:`.polish`) at each
-#: check, lowest cost per position first, each sentence once.
+#: Lengths whose runs are finished by substitutions (:mod:`.polish`) at each check, those
+#: whose best run has the lowest cost per position (see :func:`_starts`).
 POLISH = 4
+#: Share of the restarts that go to those lengths (the rest cycle over every length).
+FOCUS = 0.5
+#: A restart at such a length starts tilted by ``LEAN`` toward each token at least
+#: ``AGREED`` of that length's better runs hold at its position.
+AGREED = 0.75
+LEAN = 2 * INIT_SPREAD
 
 
 @dataclass
@@ -159,6 +168,17 @@ class _Pool:
         self.logits[idx] = init.masked_fill(~mask, float("-inf"))
         self.mean[idx], self.square[idx], self.steps[idx] = 0.0, 0.0, 0
 
+    def lean(self, rows: list[int], votes: dict[int, tuple[torch.Tensor, torch.Tensor]]
+             ) -> None:
+        """Tilt the new starts of ``rows`` whose length has a vote (candidate, share per
+        position) toward the candidates at least ``AGREED`` of the voters hold."""
+        for i in rows:
+            length = int(self.lengths[i])
+            if length in votes:
+                vote, share = votes[length]
+                at = torch.nonzero(share >= AGREED).flatten()
+                self.logits[i, at, vote[at]] += LEAN
+
     def trim(self) -> None:
         """Drop the positions past the longest run's sentence."""
         width = int(self.lengths.max())
@@ -215,22 +235,53 @@ def _exact(family: Family, span: Span, table: Table, pool: _Pool) -> dict[int, l
             for i in torch.nonzero(ok).flatten().tolist()}
 
 
+def _ranked(pool: _Pool, cost: torch.Tensor) -> list[int]:
+    """The lengths the runs try, by their best run's cost per position, lowest first (the
+    batch's lengths stand out once their runs have settled)."""
+    per = cost / pool.lengths
+    best: dict[int, float] = {}
+    for length, c in zip(pool.lengths.tolist(), per.tolist(), strict=True):
+        best[length] = min(c, best.get(length, float("inf")))
+    return sorted(best, key=best.__getitem__)
+
+
+def _vote(table: Table, pool: _Pool, cost: torch.Tensor, length: int
+          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The vote of the better half of the runs of ``length``: per position the candidate most
+    of them hold (runs of one sentence's length err at different positions) and the share
+    that holds it, and the best run."""
+    runs = torch.nonzero(pool.lengths == length).flatten()
+    runs = runs[torch.argsort(cost[runs])]
+    better = runs[:max(1, (len(runs) + 1) // 2)]
+    votes = torch.nn.functional.one_hot(pool.logits[better, :length].argmax(-1),
+                                        table.ids.shape[1]).sum(0)
+    top = votes.max(-1)
+    return top.indices, top.values / len(better), int(runs[0])
+
+
+def _starts(table: Table, pool: _Pool, cost: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Sentences to polish, each with the run it is credited to: for the ``POLISH`` lengths
+    of :func:`_ranked`, the :func:`_vote` of that length's runs and its best run's own most
+    likely sentence."""
+    out = []
+    for length in _ranked(pool, cost)[:POLISH]:
+        vote, _, best = _vote(table, pool, cost, length)
+        out.append((best, vote))
+        out.append((best, pool.logits[best, :length].argmax(-1)))
+    return out
+
+
 def _polished(family: Family, span: Span, table: Table, pool: _Pool, cost: torch.Tensor,
               skip: dict[int, list[int]], tried: set[tuple[int, ...]],
               deadline: float | None) -> dict[int, list[int]]:
-    """Per run, the sentence :func:`polish.polish` reaches from its most likely one, for the
-    ``POLISH`` runs of lowest cost per position not in ``skip`` whose sentence is not in
-    ``tried`` (updated)."""
-    choice, out, count = pool.logits.argmax(-1), {}, 0
-    for i in torch.argsort(cost / pool.lengths).tolist():
-        start = choice[i, :int(pool.lengths[i])]
+    """Per run, the sentence :func:`polish.polish` reaches from one of :func:`_starts`
+    (each start once: ``tried`` is updated)."""
+    out: dict[int, list[int]] = {}
+    for i, start in _starts(table, pool, cost):
         key = tuple(start.tolist())
-        if count == POLISH:
-            break
-        if i in skip or key in tried:
+        if i in skip or i in out or key in tried:
             continue
         tried.add(key)
-        count += 1
         got = polish.polish(family, span, table, start, deadline=deadline)
         if got is not None:
             out[i] = got
@@ -301,7 +352,13 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
             break
         if done:
             out.restarts += len(done)
-            pool.restart(done, _lengths(fit, len(done), left), table, end, generator)
+            lengths = _lengths(fit, len(done), left)
+            focus = [n for n in _ranked(pool, cost) if n - 1 in fit][:POLISH]
+            for j in range(0, int(FOCUS * len(done)) if focus else 0):
+                lengths[j] = focus[j % len(focus)]
+            votes = {n: _vote(table, pool, cost, n)[:2] for n in focus}
+            pool.restart(done, lengths, table, end, generator)
+            pool.lean(done, votes)
             pool.trim()
         before = cost
     left = total - sum(len(x) for x in out.sentences)
