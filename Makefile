@@ -36,7 +36,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

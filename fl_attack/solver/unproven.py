@@ -106,13 +106,12 @@ def reasons(
         :func:`sample_errors`; rows above ``bound`` are ``"rounding"``.
     bound
         The largest relative error a proven sample may have (``Tuning.noisy_ratio``).
-    noisy, fedavg
-        Batch-wide reasons: every row not ``verified`` is unproven; a row of a FedAvg sum that
-        fails a per-sample condition is named by it, the others ``"fedavg"``.
-    weights
-        Whether the layer's weight and bias were given (without them, a batch-wide reason).
+    noisy, fedavg, weights
+        Batch-wide: noise or no weight and bias given (``weights`` False) leave every row not
+        ``verified`` unproven; a FedAvg row is named by a per-sample condition it fails, else
+        ``"fedavg"``.
     found : (B,) bool, optional
-        The rows whose direction the search found (False: completed).
+        The rows whose direction the search found.
     pinned : (B,) bool, optional
         ``certify.Pinning.pinned`` of the final basis; None when it was not judged.
     mixed
@@ -122,18 +121,16 @@ def reasons(
     verified
         Rows read and verified on their own through the next layer: proven whatever the rest.
     weak_spectrum
-        The update's B-th singular value sits within the certificate's bound of its noise
-        edge (``tolerances.exact_possible`` fails): when no row is named otherwise, the row
-        with the largest error estimate is named ``"rounding"``, the sample most exposed to it.
+        The B-th singular value is within the bound of its noise edge
+        (``tolerances.exact_possible`` fails): if no row is named otherwise, the row of largest
+        error estimate is named ``"rounding"``, the sample most exposed to it.
 
     Returns
     -------
     tuple of (row, reason)
-        Sorted by row; reasons are keys of :data:`REASONS`.
+        Sorted by row; the reasons are keys of :data:`REASONS`.
     """
-    done = set(verified)
-    in_group = {i for group in mixed for i in group}
-    out = []
+    done, in_group, out = set(verified), {i for group in mixed for i in group}, []
     for i in range(batch_size):
         if i in done:
             continue
@@ -154,8 +151,7 @@ def reasons(
             why = "unpinned"
         elif fedavg:
             why = "fedavg"
-        if why is not None:
-            out.append((i, why))
+        out += [(i, why)] if why is not None else []
     if not out and weak_spectrum and errors is not None:
         left = [i for i in range(batch_size) if i not in done]
         if left:
