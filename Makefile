@@ -8,6 +8,9 @@ FLWR_VERSION ?= 1.41.0
 # The newest Flower release the plugin supports (pyproject's upper bound is below the next one).
 FLWR_NEXT ?= 1.42.0
 NEXT := .venv-flwr-next
+# Left out of the newest-Flower run: its five minutes of FedAvg clients (the longest test) run
+# in `make test`; the other own-app tests cover the user's app on the newest Flower.
+NEXT_SKIP := test_ordinary_fedavg_clients_are_read_at_the_replys_size_not_errors
 
 .PHONY: venv demo test lint bench deploy-local clean
 
@@ -93,4 +96,5 @@ test-flower-next:
 	$(NEXT)/bin/python -c "import importlib.metadata as m, sys; v = m.version('flwr'); \
 		print('flwr', v, 'fl-attack', m.version('fl-attack')); sys.exit(v != '$(FLWR_NEXT)')"
 	$(NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_flower_strategy.py \
-		tests/test_own_app.py tests/test_flower_simulation.py tests/test_ray_cluster.py
+		tests/test_own_app.py tests/test_flower_simulation.py tests/test_ray_cluster.py \
+		-k "not $(NEXT_SKIP)"
