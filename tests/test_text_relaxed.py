@@ -131,12 +131,16 @@ def test_the_ending_token_is_the_configs_separator_where_it_was_seen():
     assert relaxed.ending(family, torch.tensor([7, 11])) is None         # set, but not seen there
 
 
-def test_a_trimmed_pool_grows_again_for_a_longer_restart():
-    truth = _shared(5, [12, 8, 5])
-    _, family, spans, bag = _setting(truth)
+def _pool(size: int):
+    """A table of a tiny encoder's candidates and ``size`` runs of length 5 over it."""
+    _, family, _, bag = _setting(_shared(5, [12, 8, 5]))
     table = build(family, bag.candidates)
     g = torch.Generator().manual_seed(0)
-    pool = relaxed._Pool.new(table, 4, [4], 5, SEP, g)
+    return table, relaxed._Pool.new(table, size, [4], 5, SEP, g), g
+
+
+def test_a_trimmed_pool_grows_again_for_a_longer_restart():
+    table, pool, g = _pool(4)
     pool.trim()
     assert pool.logits.shape[1] == 5
     pool.restart([1], [12], table, SEP, g)
@@ -146,11 +150,7 @@ def test_a_trimmed_pool_grows_again_for_a_longer_restart():
 
 
 def test_the_vote_of_a_lengths_better_runs_and_the_lean_toward_it():
-    truth = _shared(5, [12, 8, 5])
-    _, family, spans, bag = _setting(truth)
-    table = build(family, bag.candidates)
-    g = torch.Generator().manual_seed(0)
-    pool = relaxed._Pool.new(table, 6, [4], 5, SEP, g)
+    table, pool, _ = _pool(6)
     pool.lengths[:] = 5
     k = table.ids.shape[1]
     picks = torch.tensor([[0, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0],

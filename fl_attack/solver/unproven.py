@@ -121,9 +121,8 @@ def reasons(
     verified
         Rows read and verified on their own through the next layer: proven whatever the rest.
     weak_spectrum
-        The B-th singular value is within the bound of its noise edge
-        (``tolerances.exact_possible`` fails): if no row is named otherwise, the row of largest
-        error estimate is named ``"rounding"``, the sample most exposed to it.
+        The B-th singular value is within the bound of its noise edge (``exact_possible``
+        fails): unless a row is named otherwise, the row of largest error is ``"rounding"``.
 
     Returns
     -------
@@ -151,7 +150,8 @@ def reasons(
             why = "unpinned"
         elif fedavg:
             why = "fedavg"
-        out += [(i, why)] if why is not None else []
+        if why is not None:
+            out.append((i, why))
     if not out and weak_spectrum and errors is not None:
         left = [i for i in range(batch_size) if i not in done]
         if left:

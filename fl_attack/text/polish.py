@@ -84,10 +84,12 @@ def polish(family: Family, span: Span, table: Table, choice: torch.Tensor, *,
     n = choice.numel()
     at = torch.arange(n, device=choice.device)
     free = table.valid[:n - 1].sum(1) > 1               # positions with a choice to make
+    if not bool(free.any()):
+        return None
     now = _scores(family, span, table, choice[None])[0]
     best = float(_cost(now))
     for _ in range(STEPS):
-        if passed(deadline) or not bool(free.any()):
+        if passed(deadline):
             return None
         ranked = now[:-1].masked_fill(~free, float("-inf"))
         worst = torch.topk(ranked, min(WORST, int(free.sum()))).indices

@@ -259,12 +259,13 @@ def _vote(table: Table, pool: _Pool, cost: torch.Tensor, length: int
     return top.indices, top.values / len(better), int(runs[0])
 
 
-def _starts(table: Table, pool: _Pool, cost: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """Sentences to polish, each with the run it is credited to: for the ``POLISH`` lengths
-    of :func:`_ranked`, the :func:`_vote` of that length's runs and its best run's own most
-    likely sentence."""
+def _starts(table: Table, pool: _Pool, cost: torch.Tensor, ranked: list[int]
+            ) -> list[tuple[int, torch.Tensor]]:
+    """Sentences to polish, each with the run it is credited to: for the first ``POLISH``
+    lengths ``ranked`` (:func:`_ranked`), the :func:`_vote` of that length's runs and its best
+    run's own most likely sentence."""
     out = []
-    for length in _ranked(pool, cost)[:POLISH]:
+    for length in ranked[:POLISH]:
         vote, _, best = _vote(table, pool, cost, length)
         out.append((best, vote))
         out.append((best, pool.logits[best, :length].argmax(-1)))
@@ -272,12 +273,12 @@ def _starts(table: Table, pool: _Pool, cost: torch.Tensor) -> list[tuple[int, to
 
 
 def _polished(family: Family, span: Span, table: Table, pool: _Pool, cost: torch.Tensor,
-              skip: dict[int, list[int]], tried: set[tuple[int, ...]],
+              ranked: list[int], skip: dict[int, list[int]], tried: set[tuple[int, ...]],
               deadline: float | None) -> dict[int, list[int]]:
     """Per run, the sentence :func:`polish.polish` reaches from one of :func:`_starts`
     (each start once: ``tried`` is updated)."""
     out: dict[int, list[int]] = {}
-    for i, start in _starts(table, pool, cost):
+    for i, start in _starts(table, pool, cost, ranked):
         key = tuple(start.tolist())
         if i in skip or i in out or key in tried:
             continue
@@ -286,6 +287,22 @@ def _polished(family: Family, span: Span, table: Table, pool: _Pool, cost: torch
         if got is not None:
             out[i] = got
     return out
+
+
+def _restart(table: Table, pool: _Pool, cost: torch.Tensor, ranked: list[int],
+             done: list[int], fit: list[int], left: int, end: int | None,
+             generator: torch.Generator) -> None:
+    """Restart the runs ``done``: their lengths cycle over the ends that ``fit`` (see
+    :func:`_lengths`), a share ``FOCUS`` of them at the first ``POLISH`` lengths ``ranked``
+    that fit, those tilted toward their length's :func:`_vote`."""
+    lengths = _lengths(fit, len(done), left)
+    focus = [n for n in ranked if n - 1 in fit][:POLISH]
+    for j in range(0, int(FOCUS * len(done)) if focus else 0):
+        lengths[j] = focus[j % len(focus)]
+    votes = {n: _vote(table, pool, cost, n)[:2] for n in focus}
+    pool.restart(done, lengths, table, end, generator)
+    pool.lean(done, votes)
+    pool.trim()
 
 
 def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: int | None,
@@ -326,7 +343,9 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
             pool.step(grad)
         idle += CHECK
         exact = _exact(family, span, table, pool)
-        exact.update(_polished(family, span, table, pool, cost, exact, tried, deadline))
+        ranked = _ranked(pool, cost)
+        exact.update(_polished(family, span, table, pool, cost, ranked, exact, tried,
+                               deadline))
         for sent in exact.values():
             if sent not in out.sentences:
                 out.sentences.append(sent)
@@ -352,14 +371,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
             break
         if done:
             out.restarts += len(done)
-            lengths = _lengths(fit, len(done), left)
-            focus = [n for n in _ranked(pool, cost) if n - 1 in fit][:POLISH]
-            for j in range(0, int(FOCUS * len(done)) if focus else 0):
-                lengths[j] = focus[j % len(focus)]
-            votes = {n: _vote(table, pool, cost, n)[:2] for n in focus}
-            pool.restart(done, lengths, table, end, generator)
-            pool.lean(done, votes)
-            pool.trim()
+            _restart(table, pool, cost, ranked, done, fit, left, end, generator)
         before = cost
     left = total - sum(len(x) for x in out.sentences)
     out.stopped = ("complete" if left == 0 else "budget" if passed(deadline) else
