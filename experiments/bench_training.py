@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_run_args(parser, RESULTS, batches=5, max_seconds=60.0)
-    parser.add_argument("--source", choices=("mnist", "photos32", "mixed32", "greys32"),
+    parser.add_argument("--source", choices=("mnist", "photos32", "mixed32", "greys32", "ink28"),
                         default="mnist", help="labelled data (photos: the source photograph)")
     parser.add_argument("--size", type=int, default=2000, help="images loaded (80%% train)")
     parser.add_argument("--settings", type=harness.parse_settings, default="10x200,20x200")
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--protocols: unknown {bad}; expected some of {sorted(READ_DB)}")
     if args.steps != sorted(args.steps) or args.steps[0] < 0:
         parser.error("--steps must be non-negative and ascending")
-    if args.model == "quickstart" and args.source == "mnist":
+    if args.model == "quickstart" and args.source in ("mnist", "ink28"):
         parser.error("--model quickstart needs 3x32x32 photos (--source photos32/mixed32)")
     src = load(args.source, args.size)
     largest = max([B for B, _ in args.settings] + [8]) * (args.first_seed + args.batches)

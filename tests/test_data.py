@@ -72,7 +72,18 @@ def test_mixed_crops_come_from_the_colour_and_the_grey_photographs():
     assert data.image_shape("mixed32") == (3, 32, 32)
 
 
-@pytest.mark.parametrize("name", ["photos32", "photos64", "mnist"])
+def test_ink28_is_one_channel_of_grey_sources_no_other_set_uses():
+    """``ink28``: 1x28x28 crops of three greyscale images (labels 0-2), none of them a source
+    of another crop set, with a plain ground and the full 8-bit range."""
+    x, y = data.load_images("ink28", 300)
+    assert x.shape == (300, 1, 28, 28) and data.image_shape("ink28") == (1, 28, 28)
+    assert sorted(torch.unique(y).tolist()) == [0, 1, 2]
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0 and float(x.max()) > 0.9
+    others = {s for name, srcs in data.PHOTO_SETS.items() if name != "ink28" for s in srcs}
+    assert not others & set(data.INK_SOURCES)
+
+
+@pytest.mark.parametrize("name", ["photos32", "photos64", "mnist", "ink28"])
 def test_sample_batch_distinct_deterministic(name):
     x, y = data.sample_batch(name, 25, seed=3)
     assert x.shape == (25, *data.image_shape(name)) and y.shape == (25,)

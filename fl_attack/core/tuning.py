@@ -76,6 +76,9 @@ class Tuning:
     minima_dedupe: float = 1e-4
     """Optimised directions closer than this (1 - |cos|) are one minimum (most starts share a
     few minima); the pool deduplicates with ``AttackConfig.dedupe_tol``."""
+    irls_per_column: int = 4
+    """IRLS (on wide layers) rounds this many of a round's sparsest minima per column
+    sought; the others are only rounded by kernels (``candidates.spearpp_round``)."""
     small_batch: int = 32
     """Largest B that splits :attr:`faces_small` new faces per round, larger B
     :attr:`faces_large` (``AttackConfig.max_faces`` = None)."""

@@ -14,6 +14,11 @@ CIFAR-10 or Tiny-ImageNet pixels, so this module provides real substitutes that 
     ``3x32x32`` crops of *other* photographs, for results on images a method was not tuned on:
     the greyscale photographs of ``scikit-image`` (:data:`GREY_SOURCES`, replicated to three
     channels) and matplotlib's colour portrait ``grace_hopper.jpg``.
+``"ink28"``
+    ``1x28x28`` greyscale crops of printed text, microscopy cells and a black-and-white
+    silhouette (:data:`INK_SOURCES`): strokes, blobs and edges on a plain ground, as MNIST digits
+    are, from images no other dataset uses (a grey source for results on digit-like images a
+    method was not tuned on).
 ``"mixed32"``
     ``3x32x32`` crops of all 17 of those photographs together (colour and greyscale), so a
     batch holds fewer crops of each picture, as a batch of a dataset with many pictures does.
@@ -41,12 +46,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fl_attack.testbed.photos import GREY_SOURCES, PHOTO_SETS, PHOTO_SOURCES, photo_pool
+from fl_attack.testbed.photos import (
+    GREY_SOURCES,
+    INK_SOURCES,
+    PHOTO_SETS,
+    PHOTO_SOURCES,
+    photo_pool,
+)
 
 __all__ = [
     "DATASETS",
     "DEFAULT_PHOTO_POOL",
     "GREY_SOURCES",
+    "INK_SOURCES",
     "PHOTO_SOURCES",
     "denormalize",
     "flatten",
@@ -58,8 +70,8 @@ __all__ = [
 ]
 
 #: Names accepted by :func:`load_images` / :func:`sample_batch`.
-DATASETS: tuple[str, ...] = ("photos32", "photos64", "greys32", "hopper32", "mixed32", "mnist",
-                             "cifar10", "mnist-torchvision")
+DATASETS: tuple[str, ...] = ("photos32", "photos64", "greys32", "hopper32", "mixed32", "ink28",
+                             "mnist", "cifar10", "mnist-torchvision")
 
 #: Pool size used for the photo datasets when ``n`` is not given.
 DEFAULT_PHOTO_POOL = 2000
@@ -70,6 +82,7 @@ _SHAPES: dict[str, tuple[int, int, int]] = {
     "greys32": (3, 32, 32),
     "hopper32": (3, 32, 32),
     "mixed32": (3, 32, 32),
+    "ink28": (1, 28, 28),
     "mnist": (1, 28, 28),
     "cifar10": (3, 32, 32),
     "mnist-torchvision": (1, 28, 28),
@@ -84,6 +97,7 @@ _STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "greys32": _CIFAR10_STATS,
     "hopper32": _CIFAR10_STATS,
     "mixed32": _CIFAR10_STATS,
+    "ink28": _MNIST_STATS,
     "mnist": _MNIST_STATS,
     "cifar10": _CIFAR10_STATS,
     "mnist-torchvision": _MNIST_STATS,
@@ -166,7 +180,7 @@ def _source(
     """``(images, labels, is_uint8)``: the whole dataset, or the first ``size`` photo crops."""
     if name in PHOTO_SETS:
         images, labels = photo_pool(name, _SHAPES[name][1], pool_seed, size)
-        return images, labels, False
+        return images[:, :_SHAPES[name][0]], labels, False  # grey sets: one of three equal channels
     if name == "mnist":
         images, labels = _mnist5k()
         return images, labels, True

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["GREY_SOURCES", "PHOTO_SETS", "PHOTO_SOURCES", "photo_pool", "texture"]
+__all__ = ["GREY_SOURCES", "INK_SOURCES", "PHOTO_SETS", "PHOTO_SOURCES", "photo_pool", "texture"]
 
 #: Real RGB photographs from ``skimage.data`` that load without network access (checked with
 #: scikit-image 0.26). ``cat`` is left out (same photo as ``chelsea``), as are the synthetic
@@ -41,6 +41,11 @@ PHOTO_SOURCES: tuple[str, ...] = (
 GREY_SOURCES: tuple[str, ...] = ("camera", "brick", "grass", "gravel", "coins", "moon", "page",
                                  "clock")
 
+#: Greyscale images of ink, cells and a silhouette on a plain ground, used by no other
+#: dataset: the printed text, the microscopy cells and the black-and-white horse of
+#: ``skimage.data``.
+INK_SOURCES: tuple[str, ...] = ("text", "cell", "horse")
+
 #: The source photographs of each crop dataset; ``mpl:`` names matplotlib's sample data.
 PHOTO_SETS: dict[str, tuple[str, ...]] = {
     "photos32": PHOTO_SOURCES,
@@ -48,6 +53,7 @@ PHOTO_SETS: dict[str, tuple[str, ...]] = {
     "greys32": GREY_SOURCES,
     "hopper32": ("mpl:grace_hopper.jpg",),
     "mixed32": (*PHOTO_SOURCES, *GREY_SOURCES, "mpl:grace_hopper.jpg"),
+    "ink28": INK_SOURCES,
 }
 
 # Photo-crop generation parameters (see _CropPool).
@@ -70,6 +76,8 @@ def _read_photo(src: str) -> np.ndarray:
         if isinstance(img, tuple):  # stereo_motorcycle -> (left, right, disparity)
             img = img[0]
     img = np.asarray(img)
+    if img.dtype == bool:  # a binary image (horse): black and white
+        img = img.astype(np.uint8) * 255
     if img.ndim == 2:
         img = np.repeat(img[..., None], 3, axis=2)
     return np.array(img[..., :3], dtype=np.uint8, order="C")  # a writable copy
