@@ -106,8 +106,8 @@ def _sparsest(L: torch.Tensor, Q: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` directions of ``Q`` (B, K) whose ``L q`` has the lowest
     ℓ1/ℓ2 ratio, sparsest first: those IRLS turns into columns.
 
-    The columns IRLS finds come from the optimiser's sparsest minima: on three batches at
-    B = 100, m = 1000 (MNIST, photos, grey photos) every direction IRLS turned into a new
+    The columns IRLS finds come from the optimiser's sparsest minima: in five rounds on two
+    batches at B = 100, m = 1000 (MNIST, ``greys32``) every direction IRLS turned into a new
     column ranked among the 28 sparsest of 630-1637 (``experiments/results/tuning.md``).
     """
     if Q.shape[1] <= count:
@@ -452,10 +452,11 @@ def _promising(ctx: SearchContext, Qc: torch.Tensor) -> torch.Tensor:
     ``ctx.min_zeros`` zeros already.
 
     Each candidate is the exact kernel of a row set, so its zeros are there before rounding:
-    a sample's column has about half of m, most row sets' kernels only the set's own B-odd
-    rows (MNIST, B = 100, m = 1000: at most 113 against 483-533 for the columns found, with
-    ``min_zeros`` 433). Rounding those costs as much as sampling them and none passes the
-    pool's filter; half of ``min_zeros`` leaves rounding a wide margin to add zeros.
+    a sample's column has about half of m zeros, most row sets' kernels little more than
+    their set's B rows (MNIST, B = 100, m = 1000: at most 113 against 483-533 for the
+    columns found, with ``min_zeros`` 433). Rounding those costs as much as sampling them
+    and none passes the pool's filter; half of ``min_zeros`` leaves rounding a wide margin
+    to add zeros.
     """
     if not Qc.shape[1]:
         return Qc
