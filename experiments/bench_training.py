@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--protocols: unknown {bad}; expected some of {sorted(READ_DB)}")
     if args.steps != sorted(args.steps) or args.steps[0] < 0:
         parser.error("--steps must be non-negative and ascending")
-    if args.model == "quickstart" and args.source in ("mnist", "ink28"):
+    if args.model == "quickstart" and data.image_shape(args.source) != (3, 32, 32):
         parser.error("--model quickstart needs 3x32x32 photos (--source photos32/mixed32)")
     src = load(args.source, args.size)
     largest = max([B for B, _ in args.settings] + [8]) * (args.first_seed + args.batches)
