@@ -2,10 +2,12 @@
 
 Contracts: the neighbours of a sentence are it with one of the positions named replaced by a
 candidate there, each candidate once; a sentence one substitution from one of the batch, at a
-position among the ``WORST`` that score highest, is finished (the batch's sentence is among
-its neighbours, and a neighbour that passes the span test is returned); whatever polish
-returns passes the span test, keeps the ending token and is at most ``STEPS`` substitutions
-from where it started; no step starts after the deadline.
+whatever position it is wrong at, is finished (the batch's sentence is among its neighbours
+and nearest the span of them all); a sentence of the batch is returned as it is; the
+combined moves apply each position's best improving substitution, best first, never two
+adjacent positions; whatever polish returns passes the span test, keeps the ending token and
+differs from where it started only where the first block left a choice; no step starts after
+the deadline.
 """
 
 from __future__ import annotations
@@ -69,29 +71,41 @@ def test_the_neighbours_change_one_of_the_positions_named():
         (0, 1, 1, 0), (0, 0, 1, 0), (0, 2, 1, 0), (0, 1, 0, 0)}
 
 
-def test_one_wrong_token_is_replaced_and_every_result_passes_the_span_test():
+def test_combined_moves_take_the_best_improving_substitutions_never_adjacent():
+    choice = torch.tensor([0, 0, 0, 0, 0, 0])
+    # one substitution each: (position, candidate, cost); the current cost is 10
+    subs = [(1, 1, 4.0), (1, 2, 3.0), (2, 1, 2.0), (3, 1, 5.0), (4, 2, 9.0), (4, 1, 12.0),
+            (5, 1, 11.0)]
+    rows = choice.repeat(len(subs), 1)
+    for i, (p, k, _) in enumerate(subs):
+        rows[i, p] = k
+    cost = torch.tensor([c for *_, c in subs])
+    moves = polish.combined(choice, rows, cost, 10.0)
+    # by gain: position 2 (cost 2), then 1 (adjacent to 2: left out), 3 (adjacent), 4 (cost 9)
+    assert moves.tolist() == [[0, 0, 1, 0, 0, 0], [0, 0, 1, 0, 2, 0]]
+    assert polish.combined(choice, rows, cost, 1.0).tolist() == [choice.tolist()]
+
+
+def test_one_wrong_token_is_replaced_wherever_it_is():
     truth, family, span, table = _setting()
     tried = 0
     for sent in truth:
         assert _passes(family, span, sent)                   # the premise: the batch passes
         right = _indices(table, sent)
+        assert polish.polish(family, span, table, right) == sent
         for q in range(1, len(sent) - 1):
             others = [k for k in torch.nonzero(table.valid[q]).flatten().tolist()
                       if k != int(right[q])]
-            if not others:
-                continue
-            start = right.clone()
-            start[q] = others[0]
-            sc = polish._scores(family, span, table, start[None])[0, :-1]
-            sc[table.valid[:len(sent) - 1].sum(1) < 2] = float("-inf")
-            if q not in torch.topk(sc, polish.WORST).indices.tolist():
-                continue            # polish tries the positions that score highest
-            tried += 1
-            got = polish.polish(family, span, table, start)
-            assert got is not None, (sent, q)
-            assert _passes(family, span, got) and got[-1] == SEP
-            assert sum(a != b for a, b in zip(got, table.ids[torch.arange(len(sent)), start]
-                                              .tolist(), strict=True)) == 1
+            for k in others[:2]:
+                start = right.clone()
+                start[q] = k
+                tried += 1
+                got = polish.polish(family, span, table, start)
+                assert got is not None, (sent, q)
+                assert _passes(family, span, got) and got[-1] == SEP
+                assert got in truth
+                assert sum(a != b for a, b in zip(
+                    got, table.ids[torch.arange(len(sent)), start].tolist(), strict=True)) == 1
     assert tried >= 3          # the shared tokens give those positions other candidates
 
 
@@ -107,7 +121,9 @@ def test_what_polish_returns_passes_and_is_within_reach():
             if got is not None:
                 tokens = table.ids[torch.arange(n), start].tolist()
                 assert _passes(family, span, got) and got[-1] == SEP
-                assert sum(a != b for a, b in zip(got, tokens, strict=True)) <= polish.STEPS
+                fixed = table.valid[:n].sum(1) < 2
+                assert all(a == b for a, b, f in zip(got, tokens, fixed.tolist(), strict=True)
+                           if f)
 
 
 def test_polish_starts_no_step_after_its_deadline():

@@ -1,16 +1,22 @@
 """Single-token substitutions that finish a nearly found encoder sentence.
 
-The relaxed search (:mod:`fl_attack.text.relaxed`) often settles with one or two positions on
-a wrong token. Rounded to its most likely tokens such a run is no sentence of the batch, and
+The relaxed search (:mod:`fl_attack.text.relaxed`) often settles with a few positions on
+wrong tokens. Rounded to its most likely tokens such a run is no sentence of the batch, and
 every one of its positions leaves block 0's MLP-input span (bidirectional attention spreads
-one wrong token over the whole sentence), yet the wrong position stands out: replacing its
-token by the right one brings every position back, and its own position is the one pushed
-furthest. So from the rounded sentence, each step tries every candidate token at the
-``WORST`` positions of highest score but the last (the ending token) in one batch and keeps
-the substitution whose positions lie nearest the span, until a sentence passes the span
-test or no substitution improves it: a greedy descent on the discrete problem the relaxation
-approximates. Block 0 is read from the candidates' precomputed table
-(:mod:`fl_attack.text.table`), and a sentence found is checked once more through the model.
+one wrong token over the whole sentence), yet replacing a wrong token by the right one brings
+the whole sentence nearer. So from the rounded sentence, each step tries every candidate
+token at every position but the last (the ending token) in one batch, then the best of
+them together at 1, 2, 4, ... positions (:func:`combined`), and keeps the sentence nearest the
+span, until a sentence passes the span test or nothing brings it nearer: a steepest descent
+on the discrete problem the relaxation approximates.
+
+"Nearest" is the sum over positions of the squared relative distance, in float32
+(:meth:`fl_attack.text.span.Span.relative_residual`): it ranks, and the sentence kept is
+tested in float64 through the model before it is returned. Measured on MiniLM (a WordNet
+batch of 8, 52 candidates per position, 3 or 5 wrong tokens put in at random), every position
+tried: the squared distances finish 21 of 24 and 9 of 24 sentences, the sum of
+``log(1 + score)`` 16 and 3. Block 0 is read from the candidates' precomputed table
+(:mod:`fl_attack.text.table`).
 """
 
 from __future__ import annotations
@@ -24,17 +30,9 @@ from fl_attack.text.span import ACCEPT, Span
 from fl_attack.text.table import Table, chosen
 
 #: Most substitutions tried in sequence from one sentence.
-STEPS = 4
-#: Positions tried at each step: those scoring highest. A wrong token's own position scores
-#: highest among the positions it pushes out of the span (measured on MiniLM: 7 of 8 single
-#: wrong tokens in 30-token sentences, the eighth second).
-WORST = 3
-
-
-def _cost(scores: torch.Tensor) -> torch.Tensor:
-    """(N,) a sentence's distance from the batch: the sum over its positions of
-    ``log(1 + score)`` (scores span orders of magnitude; one wrong token raises them all)."""
-    return torch.log1p(scores).sum(-1)
+STEPS = 8
+#: Neighbouring sentences evaluated together (bounds the memory of one step).
+CHUNK = 512
 
 
 def neighbours(choice: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
@@ -48,11 +46,25 @@ def neighbours(choice: torch.Tensor, valid: torch.Tensor, positions: torch.Tenso
     return rows
 
 
-def _scores(family: Family, span: Span, table: Table, rows: torch.Tensor) -> torch.Tensor:
-    """(M, n) the span scores of each position of the sentences ``rows`` (candidate indices)."""
-    alive = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
-    h = chosen(family, table, rows, alive)
-    return span.score(h.flatten(0, 1))[1].view(rows.shape)
+def _cost(family: Family, span: Span, table: Table, rows: torch.Tensor,
+          deadline: float | None) -> torch.Tensor | None:
+    """(M,) each sentence's (candidate indices, (M, n)) summed squared relative distance of
+    its positions to the span, float32; None once the deadline has passed."""
+    out = []
+    for lo in range(0, len(rows), CHUNK):
+        if passed(deadline):
+            return None
+        part = rows[lo:lo + CHUNK]
+        alive = torch.ones(part.shape, dtype=torch.bool, device=part.device)
+        out.append(span.relative_residual(chosen(family, table, part, alive)).sum(-1))
+    return torch.cat(out)
+
+
+def _passes(family: Family, span: Span, tokens: torch.Tensor) -> bool:
+    """Whether every position of the sentence ``tokens`` (n,) lies in the span, through the
+    model in float64 (:func:`fl_attack.text.encoder.scores`)."""
+    length = torch.tensor([tokens.numel()], device=tokens.device)
+    return bool((encoder.scores(family, span, tokens[None], length) < ACCEPT).all())
 
 
 @torch.no_grad()
@@ -78,31 +90,73 @@ def polish(family: Family, span: Span, table: Table, choice: torch.Tensor, *,
     -------
     list[int] | None
         The token ids of a sentence every position of which lies in the span
-        (``score < ACCEPT``, checked through the model), reached by at most ``STEPS``
-        single-token substitutions each of which lowers the cost; else None.
+        (``score < ACCEPT``, checked through the model), ``choice`` itself or reached by at most
+        ``STEPS`` single-token substitutions each of which brings it nearer the span; else None.
     """
     n = choice.numel()
     at = torch.arange(n, device=choice.device)
-    free = table.valid[:n - 1].sum(1) > 1               # positions with a choice to make
-    if not bool(free.any()):
+    free = torch.nonzero(table.valid[:n - 1].sum(1) > 1).flatten()   # a choice to make
+    if passed(deadline):
         return None
-    now = _scores(family, span, table, choice[None])[0]
-    best = float(_cost(now))
+    if _passes(family, span, table.ids[at, choice]):
+        return table.ids[at, choice].tolist()
+    if not free.numel():
+        return None
+    now = _cost(family, span, table, choice[None], deadline)
+    if now is None:
+        return None
+    best = float(now[0])
     for _ in range(STEPS):
-        if passed(deadline):
+        rows = neighbours(choice, table.valid, free)
+        cost = _cost(family, span, table, rows, deadline)
+        if cost is None:
             return None
-        ranked = now[:-1].masked_fill(~free, float("-inf"))
-        worst = torch.topk(ranked, min(WORST, int(free.sum()))).indices
-        rows = neighbours(choice, table.valid, worst)
-        sc = _scores(family, span, table, rows)
-        for i in torch.nonzero((sc < ACCEPT).all(-1)).flatten().tolist():
-            tokens = table.ids[at, rows[i]]
-            length = torch.tensor([tokens.numel()], device=tokens.device)
-            if bool((encoder.scores(family, span, tokens[None], length) < ACCEPT).all()):
-                return tokens.tolist()
-        cost = _cost(sc)
+        moves = combined(choice, rows, cost, best)
+        cost = _cost(family, span, table, moves, deadline)
+        if cost is None:
+            return None
         pick = int(cost.argmin())
         if float(cost[pick]) >= best:
             return None
-        best, choice, now = float(cost[pick]), rows[pick], sc[pick]
+        best, choice = float(cost[pick]), moves[pick]
+        tokens = table.ids[at, choice]
+        if _passes(family, span, tokens):
+            return tokens.tolist()
     return None
+
+
+def combined(choice: torch.Tensor, rows: torch.Tensor, cost: torch.Tensor, now: float
+             ) -> torch.Tensor:
+    """(M, n) sentences applying at once the best substitutions of the first 1, 2, 4, ... and
+    all positions whose best substitution lowers the cost below ``now``, by gain.
+
+    ``rows`` are ``choice`` with one substitution each, ``cost`` theirs. No two positions
+    taken are adjacent: a token moves its own position's and the next one's MLP input most
+    (one attention head of MiniLM's block 0 reads the neighbour), so the gains of adjacent
+    substitutions do not add up. The step keeps the lowest-cost of these (one substitution
+    among them), so several wrong tokens go in one step where that pays. Measured on MiniLM
+    (two WordNet batches of 8, sentences of 7-31 tokens, 3-12 wrong tokens put in at random):
+    52 of 96 sentences finished, 48 by one substitution per step, in half the time.
+    """
+    changed = (rows != choice).int().argmax(1)
+    moved = (rows != choice).any(1)
+    seen: set[int] = set()
+    picks: list[tuple[int, int]] = []
+    for i in torch.argsort(cost).tolist():
+        if float(cost[i]) >= now:
+            break
+        p = int(changed[i])
+        if not bool(moved[i]) or p in seen:
+            continue
+        seen.add(p)                               # its best substitution: the first seen
+        if all(abs(p - q) > 1 for q, _ in picks):
+            picks.append((p, int(rows[i, p])))
+    sizes = sorted({min(2 ** j, len(picks)) for j in range(len(picks).bit_length() + 1)}
+                   - {0})
+    out = []
+    for m in sizes:
+        row = choice.clone()
+        for p, k in picks[:m]:
+            row[p] = k
+        out.append(row)
+    return torch.stack(out) if out else choice[None]

@@ -101,14 +101,6 @@ class Relaxed:
     restarts: int = 0
 
 
-def _relative_residual(span: Span, m: torch.Tensor) -> torch.Tensor:
-    """Squared relative distance of each row (..., d) to the span, in m's dtype: the
-    relaxation's differentiable float32 cost (the decisions use :meth:`Span.score`, float64)."""
-    basis = span.basis.to(m.dtype)
-    r = m - (m @ basis) @ basis.T
-    return (r.norm(dim=-1) / m.norm(dim=-1).clamp_min(1e-30)) ** 2
-
-
 def _overlap(pi: torch.Tensor, table: Table, alive: torch.Tensor, found: list[list[int]]
              ) -> torch.Tensor:
     """(N,) per found sentence, the squared mean probability of its tokens at its positions
@@ -211,7 +203,7 @@ def _cost(family: Family, span: Span, table: Table, pool: _Pool, found: list[lis
     alive = pool.alive()
     with torch.enable_grad():
         pi = torch.softmax(logits, -1)
-        cost = (_relative_residual(span, mixed(family, table, pi, alive)) * alive).sum(-1)
+        cost = (span.relative_residual(mixed(family, table, pi, alive)) * alive).sum(-1)
         if found:
             cost = cost + OVERLAP * _overlap(pi, table, alive, found)
         # only the logits' gradient: the model's parameters are the caller's
@@ -341,6 +333,8 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
         for _ in range(CHECK):
             cost, grad = _cost(family, span, table, pool, out.sentences)
             pool.step(grad)
+            if passed(deadline):
+                break
         idle += CHECK
         exact = _exact(family, span, table, pool)
         ranked = _ranked(pool, cost)

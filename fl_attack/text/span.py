@@ -73,6 +73,14 @@ class Span:
         tilt = self.noise * (coef * self.inv_sigma).norm(dim=1) / norm
         return d, d / (tilt + ROUNDING)
 
+    def relative_residual(self, m: torch.Tensor) -> torch.Tensor:
+        """Squared relative distance ``‖m − P m‖² / ‖m‖²`` of each row (..., d), in ``m``'s
+        dtype: a cheap, differentiable float32 measure for ranking and for the encoder's
+        relaxation (decisions use :meth:`score`, float64)."""
+        basis = self.basis.to(m.dtype)
+        r = m - (m @ basis) @ basis.T
+        return (r.norm(dim=-1) / m.norm(dim=-1).clamp_min(1e-30)) ** 2
+
     def distance(self, x: torch.Tensor) -> torch.Tensor:
         """Relative distance ``‖x − P x‖ / ‖x‖`` of each row of ``x`` (k, d) to the span.
 
