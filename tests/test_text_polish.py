@@ -1,7 +1,7 @@
 """Single-token substitutions finishing an encoder sentence (``fl_attack.text.polish``).
 
 Contracts: the neighbours of a sentence are it with one of the positions named replaced by a
-candidate there, each candidate once; a sentence one substitution from one of the batch, at a
+candidate there, each candidate once; a sentence one substitution from one of the batch,
 whatever position it is wrong at, is finished (the batch's sentence is among its neighbours
 and nearest the span of them all); a sentence of the batch is returned as it is; the
 combined moves apply each position's best improving substitution, best first, never two

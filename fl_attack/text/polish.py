@@ -29,7 +29,7 @@ from fl_attack.text.families import Family
 from fl_attack.text.span import ACCEPT, Span
 from fl_attack.text.table import Table, chosen
 
-#: Most substitutions tried in sequence from one sentence.
+#: Most steps from one sentence (a step makes one or more substitutions, :func:`combined`).
 STEPS = 8
 #: Neighbouring sentences evaluated together (bounds the memory of one step).
 CHUNK = 512
@@ -90,8 +90,8 @@ def polish(family: Family, span: Span, table: Table, choice: torch.Tensor, *,
     -------
     list[int] | None
         The token ids of a sentence every position of which lies in the span
-        (``score < ACCEPT``, checked through the model), ``choice`` itself or reached by at most
-        ``STEPS`` single-token substitutions each of which brings it nearer the span; else None.
+        (``score < ACCEPT``, checked through the model), ``choice`` itself or reached in at most
+        ``STEPS`` steps of substitutions each of which brings it nearer the span; else None.
     """
     n = choice.numel()
     at = torch.arange(n, device=choice.device)
@@ -138,8 +138,8 @@ def combined(choice: torch.Tensor, rows: torch.Tensor, cost: torch.Tensor, now: 
     (two WordNet batches of 8, sentences of 7-31 tokens, 3-12 wrong tokens put in at random):
     52 of 96 sentences finished, 48 by one substitution per step, in half the time.
     """
-    changed = (rows != choice).int().argmax(1)
-    moved = (rows != choice).any(1)
+    diff = rows != choice
+    changed, moved = diff.int().argmax(1), diff.any(1)
     seen: set[int] = set()
     picks: list[tuple[int, int]] = []
     for i in torch.argsort(cost).tolist():
