@@ -89,10 +89,12 @@ class Reconstruction:
     ``fl_attack.steps.peel``): exact to the update's precision whatever the rest of the
     basis, also when the batch is not certified."""
     sample_errors: torch.Tensor | None = None
-    """(B,) each row's relative error bound from the update's noise or float32 rounding
+    """(B,) each row's relative error from the update's noise or float32 rounding
     (``fl_attack.solver.unproven.sample_errors``: the noise edge carried through the solve
     X = D⁺ G), float64; about 10^-d for a sample the update holds to d digits. A certified
-    batch has every entry within the certificate's bound (``Tuning.noisy_ratio``)."""
+    batch has every entry within the certificate's bound (``Tuning.noisy_ratio``). A
+    first-order bound where the columns are exact (a certified batch); in an uncertified
+    batch the named rows' imprecise columns move the other rows too, beyond it."""
     unproven: tuple[tuple[int, str], ...] = ()
     """When the batch is not certified: the rows of ``inputs`` that keep it from being
     proven, each with the first condition it fails, a key of
