@@ -23,9 +23,10 @@ _RUN = textwrap.dedent("""
     from flwr.simulation import run_simulation
     from photo_mlp.client_app import make_client_app
     from photo_mlp.server_app import make_server_app
-    out, name, client = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    out, name = sys.argv[1], sys.argv[2]
+    client, server = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     run_simulation(
-        server_app=make_server_app({"output-dir": out, "run-name": name}),
+        server_app=make_server_app({"output-dir": out, "run-name": name, **server}),
         client_app=make_client_app(client), num_supernodes=2,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                         "init_args": {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False,
@@ -33,9 +34,11 @@ _RUN = textwrap.dedent("""
 """)
 
 
-def _run_example(tmp_path: Path, name: str, client: dict) -> tuple[dict, list[dict]]:
+def _run_example(tmp_path: Path, name: str, client: dict, server: dict | None = None
+                 ) -> tuple[dict, list[dict]]:
     env = {**os.environ, "PYTHONPATH": str(EXAMPLE), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path), name, json.dumps(client)],
+    proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path), name, json.dumps(client),
+                           json.dumps(server or {})],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     run_dir = tmp_path / name
     assert (run_dir / "summary.json").is_file(), proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -68,9 +71,13 @@ def test_one_step_clients_are_certified_with_pictures_of_an_inferred_shape(tmp_p
 def test_ordinary_fedavg_clients_are_read_at_the_replys_size_not_errors(tmp_path: Path) -> None:
     """Under LeakGuard(policy="refuse") too: 96 samples over 6 local steps in a 128-unit layer
     (rank at most 96: not beyond what the layer separates) are attacked at the 96 the reply
-    reports; no record is an error or claims more samples than that, and the update is sent."""
+    reports; no record is an error or claims more samples than that, and the update is sent.
+    Such a sum is never certified, so both searches run to their budgets: shorter ones than
+    the example's (60 s, 30 s) check the same contract."""
     summary, lines = _run_example(tmp_path, "fedavg", {"samples": 96, "batch-size": 32,
-                                                        "local-epochs": 2, "leak-guard": "refuse"})
+                                                        "local-epochs": 2, "leak-guard": "refuse",
+                                                        "guard-seconds": 10},
+                                  server={"attack-seconds": 20})
     assert len(lines) == 2 and summary["attack_failures"] == 0
     for ln in lines:
         assert ln["status"] in ("protected", "partial", "not-certified") and ln["error"] is None

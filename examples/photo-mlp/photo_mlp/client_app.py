@@ -15,14 +15,15 @@ from fl_attack_flwr import LeakGuard
 from photo_mlp.task import Net, load_partition, train
 
 DEFAULTS: dict[str, Any] = {"local-epochs": 1, "batch-size": 16, "samples": 16, "lr": 0.05,
-                            "leak-guard": ""}
+                            "leak-guard": "", "guard-seconds": 30}
 
 
 def make_client_app(config: dict[str, Any] | None = None) -> ClientApp:
     """A ClientApp with ``config`` over :data:`DEFAULTS` (and over the run config)."""
     app = ClientApp()
-    policy = {**DEFAULTS, **(config or {})}["leak-guard"]
-    mods = [LeakGuard(policy=policy, max_seconds=30)] if policy else []  # the client's own check
+    own = {**DEFAULTS, **(config or {})}
+    policy, seconds = own["leak-guard"], float(own["guard-seconds"])
+    mods = [LeakGuard(policy=policy, max_seconds=seconds)] if policy else []  # the client's check
 
     @app.train(mods=mods)
     def fit(msg: Message, context: Context) -> Message:

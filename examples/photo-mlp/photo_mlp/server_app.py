@@ -12,7 +12,8 @@ from flwr.serverapp.strategy import FedAvg
 from fl_attack_flwr import AttackSettings, AuditingStrategy, AuditStore  # (1) import
 from photo_mlp.task import Net
 
-DEFAULTS: dict[str, Any] = {"num-server-rounds": 1, "model-seed": 0, "output-dir": "runs"}
+DEFAULTS: dict[str, Any] = {"num-server-rounds": 1, "model-seed": 0, "output-dir": "runs",
+                            "attack-seconds": 60}
 
 
 def make_server_app(config: dict[str, Any] | None = None) -> ServerApp:
@@ -25,7 +26,7 @@ def make_server_app(config: dict[str, Any] | None = None) -> ServerApp:
         strategy = AuditingStrategy(                                   # (2) wrap the strategy
             FedAvg(fraction_evaluate=0.0),
             store=AuditStore(cfg["output-dir"], cfg.get("run-name")),  # (3) where results go
-            attack=AttackSettings(max_seconds=60),                     # (4) how to attack
+            attack=AttackSettings(max_seconds=float(cfg["attack-seconds"])),  # (4) how to attack
         )
         torch.manual_seed(int(cfg["model-seed"]))  # a reproducible initial model
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()),
