@@ -1,13 +1,17 @@
-"""Single-token substitutions finishing an encoder sentence (``fl_attack.text.polish``).
+"""Local moves finishing an encoder sentence (``fl_attack.text.polish``).
 
 Contracts: the neighbours of a sentence are it with one of the positions named replaced by a
 candidate there, each candidate once; a sentence one substitution from one of the batch,
 whatever position it is wrong at, is finished (the batch's sentence is among its neighbours
 and nearest the span of them all); a sentence of the batch is returned as it is; the
 combined moves apply each position's best improving substitution, best first, never two
-adjacent positions; whatever polish returns passes the span test, keeps the ending token and
-differs from where it started only where the first block left a choice; no step starts after
-the deadline.
+adjacent positions; the rearrangements are the sentence's own tokens swapped (up to three
+apart) or a segment rotated by one, at free positions and only where each token moved is a
+candidate there; the paired moves change two neighbours to their best single substitutions;
+a sentence with two neighbours swapped or a segment shifted by one is finished in one step
+(every token of the bag a candidate everywhere); whatever polish returns passes the span
+test, keeps the ending token and differs from where it started only where the first block
+left a choice; no step starts after the deadline.
 """
 
 from __future__ import annotations
@@ -139,3 +143,54 @@ def test_polish_starts_no_step_after_its_deadline():
     done = [s for s in starts if polish.polish(family, span, table, s) is not None]
     assert done                                     # some are finished without a deadline
     assert all(polish.polish(family, span, table, s, deadline=0.0) is None for s in done)
+
+
+def _tiny_table(tokens: list[list[int]]):
+    """A table of 3 positions whose candidates are ``tokens`` (token ids 0-9, no model)."""
+    from fl_attack.text.table import Table
+
+    k = max(map(len, tokens))
+    ids = torch.tensor([t + [0] * (k - len(t)) for t in tokens])
+    valid = torch.tensor([[True] * len(t) + [False] * (k - len(t)) for t in tokens])
+    z = torch.zeros(len(tokens), k, 1)
+    return Table(z, (z, z, z), ids, valid)
+
+
+def test_rearrangements_are_swaps_and_rotations_of_candidates_at_free_positions():
+    # position p holds candidates ids[p]; the sentence is 5, 6, 7, 8, 9 (index 0 everywhere)
+    cands = [[5], [6, 7, 8], [7, 6, 8], [8, 6, 7, 9], [9]]
+    table = _tiny_table(cands)
+    choice = torch.zeros(5, dtype=torch.long)
+    rows = polish.rearranged(choice, table, torch.tensor([1, 2, 3]))
+    got = {tuple(table.ids[torch.arange(5), r].tolist()) for r in rows}
+    assert got == {(5, 7, 6, 8, 9), (5, 8, 7, 6, 9), (5, 6, 8, 7, 9),   # swaps
+                   (5, 7, 8, 6, 9), (5, 8, 6, 7, 9)}                    # rotations of 1-3
+    # 9 is no candidate at positions 1-3 and position 4 is not free: nothing moves it
+    assert all(r[0] == 0 and r[4] == 0 for r in rows.tolist())
+
+
+def test_paired_moves_change_two_neighbours_to_their_best_substitutions():
+    choice = torch.zeros(4, dtype=torch.long)
+    subs = [(1, 1, 3.0), (1, 2, 1.0), (2, 1, 2.0), (3, 1, 0.5)]   # (position, candidate, cost)
+    rows = choice.repeat(len(subs), 1)
+    for i, (p, k, _) in enumerate(subs):
+        rows[i, p] = k
+    cost = torch.tensor([c for *_, c in subs])
+    got = {tuple(r) for r in polish.paired(choice, rows, cost).tolist()}
+    assert got == {(0, 1, 1, 0), (0, 2, 1, 0), (0, 0, 1, 1)}
+
+
+def test_swapped_tokens_and_a_shifted_segment_are_finished_in_one_step(monkeypatch):
+    # one step: substitutions alone cannot change neighbouring positions together
+    monkeypatch.setattr(polish, "STEPS", 1)
+    truth, family, span, _ = _setting()
+    bag = sorted({t for s in truth for t in s})
+    n = max(map(len, truth))
+    table = build(family, [torch.tensor(bag)] * n)
+    sent = truth[0]
+    right = _indices(table, sent)
+    swapped, shifted = right.clone(), right.clone()
+    swapped[[2, 3]] = right[[3, 2]]
+    shifted[3:8] = right[[4, 5, 6, 7, 3]]
+    for start in (swapped, shifted):
+        assert polish.polish(family, span, table, start) == sent

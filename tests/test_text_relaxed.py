@@ -1,8 +1,12 @@
 """The relaxed search over whole sentences of an encoder (``fl_attack.text.relaxed``).
 
 Contracts: the relaxation at one-hot weights is block 0 itself; every sentence the search
-returns lies, position by position, in block 0's MLP-input span; a search that ends
-``complete`` has filled the span's rank with the batch's sentences; the caller's model gains no
+returns lies, position by position, in block 0's MLP-input span (with the ending token
+unknown, or known and the ends and starts ranked by block 0's span); a search that ends
+``complete`` has filled the span's rank with the batch's sentences; the ends come ordered by
+the ending token's score at block 0, and the lengths tried follow that order, the ``r``-th
+``1 / (r + 1)`` as often as the first; the starts' tilt is 0 at each position's best
+candidate and negative elsewhere; the caller's model gains no
 gradient; the search ends at its deadline; through ``invert_text`` a batch whose first block
 does not separate the positions is certified only when exact, and otherwise says so
 (``limit == "positions"``).
@@ -76,12 +80,15 @@ def test_the_relaxation_at_one_hot_weights_is_block_0():
 
 
 @pytest.mark.parametrize("lengths", [[12, 8, 5], [9, 9, 7, 5]])
-def test_every_sentence_returned_lies_in_the_span_and_complete_means_the_batch(lengths):
+@pytest.mark.parametrize("known_end", [False, True])
+def test_every_sentence_returned_lies_in_the_span_and_complete_means_the_batch(lengths,
+                                                                                known_end):
     truth = _shared(5, lengths)
     model, family, spans, bag = _setting(truth)
     assert pairs(family, bag.candidates, spans["attn0"].rank) is None   # not separated
-    got = relaxed.search(family, bag.candidates, spans["mlp"], end=None,
-                         total=spans["mlp"].rank, deadline=time.perf_counter() + 60)
+    got = relaxed.search(family, bag.candidates, spans["mlp"], end=SEP if known_end else None,
+                         total=spans["mlp"].rank, deadline=time.perf_counter() + 60,
+                         first=spans["attn0"] if known_end else None)
     assert all(p.grad is None for p in model.parameters())
     for sent in got.sentences:
         n = len(sent)
@@ -170,3 +177,31 @@ def test_the_vote_of_a_lengths_better_runs_and_the_lean_toward_it():
     assert sorted(lifted[:, 0].tolist()) == agreed.tolist()
     assert (lifted[:, 1] == vote[lifted[:, 0]]).all()
     assert torch.equal(pool.logits[4], before[4])                  # not restarted: untouched
+
+
+def test_the_ends_are_ranked_by_block_0_and_the_lengths_follow_the_rank():
+    truth = _shared(5, [9, 9, 7, 5])
+    _, family, spans, bag = _setting(truth)
+    plain = relaxed._ends(family, None, bag.candidates, SEP)
+    ranked = relaxed._ends(family, spans["attn0"], bag.candidates, SEP)
+    assert plain == sorted(plain, reverse=True) and sorted(ranked) == sorted(plain)
+    with torch.no_grad():
+        score = [float(spans["attn0"].score(family.attn_input(
+            0, family.embeddings(torch.tensor([SEP]), p)))[1][0]) for p in ranked]
+    assert score == sorted(score)
+    # shares 1, 1/2, 1/3 of 11 lengths: 6, 3 and 2 (the ends 9, 4, 7 are lengths 10, 5, 8)
+    got = relaxed._lengths([9, 4, 7], 11, left=100)
+    assert [got.count(n) for n in (10, 5, 8)] == [6, 3, 2]
+    assert relaxed._lengths([9, 4, 7], 6, left=5) == [5] * 6      # only one fits
+
+
+def test_the_starts_lean_toward_each_positions_best_candidate():
+    truth = _shared(5, [9, 9, 7, 5])
+    _, family, spans, bag = _setting(truth)
+    table = build(family, bag.candidates)
+    tilt = relaxed._prior(family, spans["attn0"], table)
+    assert relaxed._prior(family, None, table) is None
+    assert (tilt <= 0).all() and (tilt[~table.valid] == 0).all()
+    multi = table.valid.sum(1) > 1
+    best = tilt.masked_fill(~table.valid, -float("inf")).max(1).values
+    assert (best[multi] == 0).all() and (tilt[multi].min(1).values < 0).all()
