@@ -404,9 +404,9 @@ def _ends(family: Family, first: Span | None, candidates: list[torch.Tensor],
     With ``end`` known and block 0's attention-input span ``first``, they come ordered by the
     score of ``end`` at each position, lowest first: the batch's own (token, position) pairs
     lie in that span to rounding, those it only nearly holds (:mod:`fl_attack.text.encoder`)
-    a few times farther. Measured on MiniLM (7 batches of 4 WordNet glosses of 16-32
-    tokens, the ending token seen at 3-20 positions), the sentences' ends were always the
-    first ones.
+    a few times farther. Measured on MiniLM (8 batches of 4 WordNet glosses of 16-32
+    tokens, the ending token seen at 3-20 positions), the sentences' ends always came
+    first.
     """
     last = set(candidates[-1].tolist()) if end is None else {end}
     out = [p for p, c in enumerate(candidates) if last & set(c.tolist())][::-1]
