@@ -70,6 +70,8 @@ class Client:
     update: Callable[[list[list[int]], int], dict[str, torch.Tensor]]
     weights_dtype: str | None = None
     """Set where the update is a weight difference (``invert_text(weights_dtype=...)``)."""
+    labels: Callable[[int], list[int]] | None = None
+    """A sequence classifier's labels for a batch of that size (the baseline is given them)."""
 
 
 def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
@@ -92,9 +94,10 @@ def make_client(args: argparse.Namespace, model: torch.nn.Module) -> Client:
         return Client(f"LoRA r={args.rank} (q, v), FedSGD", lora,
                       lambda ids, i: tt.fedsgd_gradients(lora, ids))
     if getattr(model.config, "model_type", "") == "bert":
+        labels = lambda b: [j % 2 for j in range(b)]  # noqa: E731
         return Client("FedSGD, sequence classification (labels 0, 1, 0, ...)", model,
-                      lambda ids, i: tt.classification_gradients(model, ids,
-                                                                 [j % 2 for j in range(len(ids))]))
+                      lambda ids, i: tt.classification_gradients(model, ids, labels(len(ids))),
+                      labels=labels)
     return Client("FedSGD", model, lambda ids, i: tt.fedsgd_gradients(model, ids))
 
 
@@ -139,8 +142,13 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
             notes.append(f"- B = {b}, batch {i}: {rec.reason}")
         if baseline_seconds > 0:
             names = [n for n in rec.residuals if "layers.0" in n or ".h.0." in n]
+            labels = client.labels(len(ids)) if client.labels else None
+            if labels is not None:      # an encoder: block 0's attention, read or not
+                names = [n for n in grads if "layer.0.attention.self." in n
+                         and n.endswith("weight")]
             guess = tt.gradient_matching(client.model, grads, [len(t) for t in ids],
-                                         names=names, max_seconds=baseline_seconds, seed=i)
+                                         names=names, max_seconds=baseline_seconds, seed=i,
+                                         labels=labels)
             base.append(tt.score_text(guess, ids, tok.decode))
     mean = lambda k: statistics.fmean(getattr(s, k) for s in scores)  # noqa: E731
     base_model = getattr(client.model, "get_base_model", lambda: client.model)()

@@ -3,7 +3,9 @@
 Contracts: the adapter computes block 0 as the model does; the bag of tokens is the batch's;
 sentence lengths are read from where the end token was seen; a batch whose first block
 separates the positions comes back in order with its labels, certified; a certified batch is
-exact; one wrong token or label, or noise on the update, is never certified.
+exact; one wrong token or label, or noise on the update, is never certified; the
+gradient-matching baseline runs on a classifier with its labels and returns sentences of the
+lengths given.
 """
 
 from __future__ import annotations
@@ -131,3 +133,17 @@ def test_minilm_reads_one_real_sentence():
     rec = invert_text(model, tt.classification_gradients(model, truth, [1]))
     assert rec.token_ids == truth, rec.reason
     assert rec.certified and rec.labels == [1], rec.reason
+
+
+def test_the_gradient_matching_baseline_takes_a_classifiers_labels():
+    truth = _sentences(4, [7, 5])
+    model = tt.tiny_bert()
+    grads = tt.classification_gradients(model, truth, [0, 1])
+    names = [n for n in grads if "layer.0.attention.self." in n and n.endswith("weight")]
+    before = model.config._attn_implementation
+    got = tt.gradient_matching(model, grads, [7, 5], names=names, max_seconds=0.5,
+                               labels=[0, 1])
+    assert [len(s) for s in got] == [7, 5]
+    assert all(0 <= t < model.config.vocab_size for s in got for t in s)
+    assert model.config._attn_implementation == before
+    assert all(p.grad is None for p in model.parameters())

@@ -319,15 +319,18 @@ def match_text(recovered: Sequence[Sequence[int]], truth: Sequence[Sequence[int]
 
 def gradient_matching(model: nn.Module, gradients: dict[str, torch.Tensor],
                       lengths: Sequence[int], *, names: Sequence[str], max_seconds: float,
-                      seed: int = 0, lr: float = 0.01) -> list[list[int]]:
+                      seed: int = 0, lr: float = 0.01,
+                      labels: Sequence[int] | None = None) -> list[list[int]]:
     """The TAG-style baseline: optimise input embeddings until their update matches, then
     take the nearest token at each position.
 
     As TAG (Deng et al., 2021) does for language models, the sentences' lengths are given
     (more than the exact attack needs), the dummy inputs are continuous embeddings and the
     labels of the next-token loss are the softmax of the next position's embedding against the
-    vocabulary. The distance is ``1 − cosine`` summed over the parameters ``names``, minimised
-    with Adam until ``max_seconds`` have passed.
+    vocabulary. For a sequence classifier pass its ``labels``: the loss is then the model's
+    cross-entropy on them (given, where the exact attack reads them from the head's update).
+    The distance is ``1 − cosine`` summed over the parameters ``names``, minimised with Adam
+    until ``max_seconds`` have passed.
 
     Returns
     -------
@@ -348,7 +351,8 @@ def gradient_matching(model: nn.Module, gradients: dict[str, torch.Tensor],
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")       # SDPA has no double backward on the CPU
     try:
-        _match(model, z, mask, emb, params, names, targets, opt, stop)
+        _match(model, z, mask, emb, params, names, targets, opt, stop,
+               None if labels is None else torch.as_tensor(list(labels)))
     finally:
         model.set_attn_implementation(before)
     with torch.no_grad():
@@ -359,14 +363,18 @@ def gradient_matching(model: nn.Module, gradients: dict[str, torch.Tensor],
 
 def _match(model: nn.Module, z: torch.Tensor, mask: torch.Tensor, emb: torch.Tensor,
            params: dict, names: Sequence[str], targets: list[torch.Tensor],
-           opt: torch.optim.Optimizer, stop: float) -> None:
+           opt: torch.optim.Optimizer, stop: float, labels: torch.Tensor | None) -> None:
     """Adam steps on ``z`` until ``stop`` (a ``time.perf_counter()`` value)."""
     while time.perf_counter() < stop:
         opt.zero_grad()
-        logits = model(inputs_embeds=z, attention_mask=mask).logits[:, :-1]
-        soft = torch.softmax(z[:, 1:] @ emb.T, dim=-1)
-        keep = mask[:, 1:].bool()
-        loss = -(soft[keep] * torch.log_softmax(logits[keep], -1)).sum(-1).mean()
+        if labels is not None:
+            out = model(inputs_embeds=z, attention_mask=mask).logits
+            loss = torch.nn.functional.cross_entropy(out, labels)
+        else:
+            logits = model(inputs_embeds=z, attention_mask=mask).logits[:, :-1]
+            soft = torch.softmax(z[:, 1:] @ emb.T, dim=-1)
+            keep = mask[:, 1:].bool()
+            loss = -(soft[keep] * torch.log_softmax(logits[keep], -1)).sum(-1).mean()
         grads = torch.autograd.grad(loss, [params[k] for k in names], create_graph=True)
         dist = sum(1 - torch.nn.functional.cosine_similarity(a.flatten().double(),
                                                              b.flatten(), dim=0)
