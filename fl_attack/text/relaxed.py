@@ -294,6 +294,15 @@ def _polished(family: Family, span: Span, table: Table, pool: _Pool, cost: torch
     return out
 
 
+def _ending(pool: _Pool, cost: torch.Tensor, before: torch.Tensor | None) -> list[int]:
+    """The runs to restart: those at ``STEPS`` steps, or past their first ``2 * CHECK`` with a
+    cost that fell by less than ``PLATEAU`` since the last check (``before``)."""
+    stale = pool.steps >= STEPS
+    if before is not None and before.shape == cost.shape:
+        stale |= (pool.steps >= 2 * CHECK) & (cost > PLATEAU * before)
+    return torch.nonzero(stale).flatten().tolist()
+
+
 def _restart(table: Table, pool: _Pool, cost: torch.Tensor, ranked: list[int],
              done: list[int], fit: list[int], left: int, end: int | None,
              generator: torch.Generator) -> None:
@@ -357,10 +366,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
         idle += CHECK
         exact = _exact(family, span, table, pool)
         ranked = _ranked(pool, cost)
-        stale = pool.steps >= STEPS
-        if before is not None and before.shape == cost.shape:
-            stale |= (pool.steps >= 2 * CHECK) & (cost > PLATEAU * before)
-        ending_runs = torch.nonzero(stale).flatten().tolist()
+        ending_runs = _ending(pool, cost, before)
         exact.update(_polished(family, span, table, pool, cost, ranked, ending_runs, exact,
                                tried, deadline))
         for sent in exact.values():
