@@ -141,11 +141,10 @@ def run_row(client: Client, tok, source: str, b: int, max_tokens: int, count: in
         if not sc.batch_exact or not rec.certified:
             notes.append(f"- B = {b}, batch {i}: {rec.reason}")
         if baseline_seconds > 0:
-            names = [n for n in rec.residuals if "layers.0" in n or ".h.0." in n]
             labels = client.labels(len(ids)) if client.labels else None
-            if labels is not None:      # an encoder: block 0's attention, read or not
-                names = [n for n in grads if "layer.0.attention.self." in n
-                         and n.endswith("weight")]
+            names = ([n for n in rec.residuals if "layers.0" in n or ".h.0." in n]
+                     if labels is None else    # an encoder: block 0's attention, read or not
+                     [n for n in grads if "layer.0.attention.self." in n and n.endswith("weight")])
             guess = tt.gradient_matching(client.model, grads, [len(t) for t in ids],
                                          names=names, max_seconds=baseline_seconds, seed=i,
                                          labels=labels)

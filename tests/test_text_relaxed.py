@@ -182,13 +182,19 @@ def test_the_vote_of_a_lengths_better_runs_and_the_lean_toward_it():
 def test_the_ends_are_ranked_by_block_0_and_the_lengths_follow_the_rank():
     truth = _shared(5, [9, 9, 7, 5])
     _, family, spans, bag = _setting(truth)
-    plain = relaxed._ends(family, None, bag.candidates, SEP)
-    ranked = relaxed._ends(family, spans["attn0"], bag.candidates, SEP)
+    table = build(family, bag.candidates)
+    scores = relaxed._scores(family, spans["attn0"], table)
+    assert relaxed._scores(family, None, table) is None
+    plain = relaxed._ends(table, bag.candidates, SEP, None)
+    ranked = relaxed._ends(table, bag.candidates, SEP, scores)
     assert plain == sorted(plain, reverse=True) and sorted(ranked) == sorted(plain)
+    # each candidate's score is its own, through the model, one at a time
     with torch.no_grad():
         score = [float(spans["attn0"].score(family.attn_input(
             0, family.embeddings(torch.tensor([SEP]), p)))[1][0]) for p in ranked]
-    assert score == sorted(score)
+        table_score = [float(scores[p][table.ids[p] == SEP][0]) for p in ranked]
+    assert table_score == sorted(table_score) and score == sorted(score)
+    assert torch.allclose(torch.tensor(score), torch.tensor(table_score), rtol=1e-4)
     # shares 1, 1/2, 1/3 of 11 lengths: 6, 3 and 2 (the ends 9, 4, 7 are lengths 10, 5, 8)
     got = relaxed._lengths([9, 4, 7], 11, left=100)
     assert [got.count(n) for n in (10, 5, 8)] == [6, 3, 2]
@@ -199,8 +205,8 @@ def test_the_starts_lean_toward_each_positions_best_candidate():
     truth = _shared(5, [9, 9, 7, 5])
     _, family, spans, bag = _setting(truth)
     table = build(family, bag.candidates)
-    tilt = relaxed._prior(family, spans["attn0"], table)
-    assert relaxed._prior(family, None, table) is None
+    tilt = relaxed._prior(relaxed._scores(family, spans["attn0"], table))
+    assert relaxed._prior(None) is None
     assert (tilt <= 0).all() and (tilt[~table.valid] == 0).all()
     multi = table.valid.sum(1) > 1
     best = tilt.masked_fill(~table.valid, -float("inf")).max(1).values

@@ -145,7 +145,8 @@ class _Pool:
                    torch.zeros(size, dtype=torch.long, device=table.ids.device),
                    *(table.stream.new_zeros(shape) for _ in range(2)),
                    torch.zeros(size, dtype=torch.long, device=table.ids.device),
-                   table.stream.new_zeros(table.ids.shape) if prior is None else prior)
+                   table.stream.new_zeros(table.ids.shape) if prior is None else
+                   prior.to(table.stream.dtype))
         pool.restart(list(range(size)), _lengths(ends, size, left), table, end, generator)
         return pool
 
@@ -352,8 +353,8 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
         return out
     table = build(family, candidates)
     generator = torch.Generator().manual_seed(seed)
-    ends = _ends(family, first, candidates, end)
-    prior = _prior(family, first, table)
+    scores = _scores(family, first, table)
+    ends, prior = _ends(table, candidates, end, scores), _prior(scores)
     pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, total, end, generator,
                      prior)
     idle, before, tried = 0, None, set()
@@ -378,7 +379,7 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
             break
         if end is None and out.sentences:
             end = out.sentences[0][-1]
-            ends = [p for p in _ends(family, first, candidates, end) if p < left]
+            ends = [p for p in _ends(table, candidates, end, scores) if p < left]
             if not ends:
                 break
             pool = _Pool.new(table, min(MAX_RUNS, STARTS * len(ends)), ends, left, end,
@@ -401,41 +402,47 @@ def search(family: Family, candidates: list[torch.Tensor], span: Span, *, end: i
 
 
 @torch.no_grad()
-def _ends(family: Family, first: Span | None, candidates: list[torch.Tensor],
-          end: int | None) -> list[int]:
-    """The positions a sentence may end at: where ``end`` was seen, or, with ``end`` unknown,
-    where a token seen at the last position was (the ending token is one of those: the
-    longest sentence ends there), last first.
-
-    With ``end`` known and block 0's attention-input span ``first``, they come ordered by the
-    score of ``end`` at each position, lowest first: the batch's own (token, position) pairs
-    lie in that span to rounding, those it only nearly holds (:mod:`fl_attack.text.encoder`)
-    a few times farther. Measured on MiniLM (8 batches of 4 WordNet glosses of 16-32
-    tokens, the ending token seen at 3-20 positions), the sentences' ends always came
-    first.
-    """
-    last = set(candidates[-1].tolist()) if end is None else {end}
-    out = [p for p, c in enumerate(candidates) if last & set(c.tolist())][::-1]
-    if end is None or first is None or not out:
-        return out
-    token = torch.tensor([end], device=candidates[0].device)
-    score = torch.cat([first.score(family.attn_input(0, family.embeddings(token, p)))[1]
-                       for p in out])
-    return [out[i] for i in torch.argsort(score, stable=True).tolist()]
-
-
-@torch.no_grad()
-def _prior(family: Family, first: Span | None, table: Table) -> torch.Tensor | None:
-    """(L, K) the tilt of every start: ``-PRIOR * log(score / best score)`` of each candidate
-    at block 0's attention input ``first`` (0 for the position's best candidate), as
-    :func:`_ends` ranks the ends; None without ``first``."""
+def _scores(family: Family, first: Span | None, table: Table) -> torch.Tensor | None:
+    """(L, K) each candidate's score at block 0's attention-input span ``first`` (inf where
+    padded), which ranks the ends (:func:`_ends`) and tilts the starts (:func:`_prior`); None
+    without ``first``."""
     if first is None:
         return None
     length, k = table.ids.shape
     score = first.score(family.attn_input(0, table.stream.flatten(0, 1)))[1].view(length, k)
-    score = score.clamp_min(1e-12).masked_fill(~table.valid, float("inf"))
-    tilt = -PRIOR * torch.log(score / score.min(1, keepdim=True).values)
-    return tilt.masked_fill(~table.valid, 0.0).to(table.stream.dtype)
+    return score.clamp_min(1e-12).masked_fill(~table.valid, float("inf"))
+
+
+def _ends(table: Table, candidates: list[torch.Tensor], end: int | None,
+          scores: torch.Tensor | None) -> list[int]:
+    """The positions a sentence may end at: where ``end`` was seen, or, with ``end`` unknown,
+    where a token seen at the last position was (the ending token is one of those: the
+    longest sentence ends there), last first.
+
+    With ``end`` known and the candidates' :func:`_scores`, they come ordered by the score of
+    ``end`` at each position, lowest first: the batch's own (token, position) pairs lie in
+    block 0's attention-input span to rounding, those it only nearly holds
+    (:mod:`fl_attack.text.encoder`) a few times farther. Measured on MiniLM (8 batches of 4
+    WordNet glosses of 16-32 tokens, the ending token seen at 3-20 positions), the sentences'
+    ends always came first.
+    """
+    last = set(candidates[-1].tolist()) if end is None else {end}
+    out = [p for p, c in enumerate(candidates) if last & set(c.tolist())][::-1]
+    if end is None or scores is None or not out:
+        return out
+    at = torch.tensor(out, device=scores.device)
+    score = scores[at].masked_fill(table.ids[at] != end, float("inf")).min(1).values
+    return [out[i] for i in torch.argsort(score, stable=True).tolist()]
+
+
+def _prior(scores: torch.Tensor | None) -> torch.Tensor | None:
+    """(L, K) the tilt of every start: ``-PRIOR * log(score / best score)`` of each candidate
+    (:func:`_scores`; 0 for the position's best candidate and where padded); None without
+    scores."""
+    if scores is None:
+        return None
+    tilt = -PRIOR * torch.log(scores / scores.min(1, keepdim=True).values)
+    return tilt.masked_fill(scores.isinf(), 0.0)
 
 
 def _lengths(ends: list[int], count: int, left: int) -> list[int]:
@@ -444,12 +451,12 @@ def _lengths(ends: list[int], count: int, left: int) -> list[int]:
     them ``left`` itself where a sentence can end there (one sentence left)."""
     fit = [p + 1 for p in ends if p + 1 <= left] or [min(ends) + 1]
     share = [1 / (r + 1) for r in range(len(fit))]
-    credit = [0.0] * len(fit)
+    credit, total = [0.0] * len(fit), sum(share)
     out = []
     for _ in range(count):          # a smooth weighted round robin
         credit = [c + w for c, w in zip(credit, share, strict=True)]
         i = max(range(len(fit)), key=credit.__getitem__)
-        credit[i] -= sum(share)
+        credit[i] -= total
         out.append(fit[i])
     if left in fit and len(fit) > 1:
         out[::3] = [left] * len(out[::3])
