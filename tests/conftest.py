@@ -196,7 +196,7 @@ def make_output_side(G: torch.Tensor, g: torch.Tensor, W: torch.Tensor | None = 
     cfg = AttackConfig.from_options(None, **options)
     layer = load_layer(G, g, W, b, None, "cpu", cfg)
     dec = decompose(layer.weight_grad, batch_size=cfg.batch_size, rank_margin=cfg.rank_margin,
-                    floor_rtol=rank_floor(layer.precision))
+                    floor_rtol=rank_floor(layer.precision), noise_floor=layer.rounding_edge)
     zero_rtol, z_band = output_tolerances(dec, cfg, layer.precision, layer.device)
     system = make_system(dec.L, dec.R, layer.bias_grad, layer.weight, layer.bias, zero_rtol,
                          z_band, subset=cfg.update == "fedavg")

@@ -249,3 +249,38 @@ def test_a_pass_at_the_round_cap_that_gained_is_followed_by_another(mnist_model,
     assert run([B - 20, B - 10, B - 5], Clock(None)) == [first, low]
     assert run([B - 20, B - 10, B - 5], Clock(600.0), max_rounds=50) == [first, low]
     assert run([B - 20, B - 20, B - 1], Clock(600.0)) == [first, low]  # nothing gained
+
+
+def test_a_fedavg_sums_zero_test_is_per_column_too(mnist_model, output_side) -> None:
+    """A FedAvg weight difference (5 full-batch local steps at lr 0.01, stored in float32) of
+    the model after 1,500 steps holds samples orders of magnitude apart, as a gradient does.
+    Each column sums its sample's ∂L/∂Z over the steps, zero exactly at the units inactive at
+    every step; the batch-wide test, loose enough for the weakest columns, takes small entries
+    of the strongest for zeros (a mixture with a weak column then passes as sparse). The
+    per-column test gives the strongest column exactly its zeros."""
+    from fl_attack.model import updates
+    from fl_attack.testbed import simulate
+
+    t = _batch(mnist_model, 1500, seed=2)
+    xn = data.normalize(t.x, "mnist")
+    res = simulate.local_update(t.model, xn, t.y, protocol="fedavg", lr=0.01, epochs=5, seed=0)
+    dw, db, _, _ = updates.weight_update_pair(t.model.state_dict(), res.state_dict)
+    replay = models.relu_mlp(784, 200, 3)
+    replay.load_state_dict(t.model.state_dict())
+    replay = replay.double()
+    opt = torch.optim.SGD(replay.parameters(), lr=0.01)
+    D = torch.zeros(200, t.x.shape[0], dtype=torch.float64)
+    for _ in range(5):  # the client's steps again in float64: Σ_t lr ∂L/∂Z_t per sample
+        D += 0.01 * compute_output_grad(replay, xn.double(), t.y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(replay(xn.double()), t.y).backward()
+        opt.step()
+    side = output_side(dw, db, t.W, t.b, update="fedavg", weights_dtype="float32")
+    rtol = side.system.zero_rtol
+    assert isinstance(rtol, ColumnNoiseRtol)
+    L = side.dec.L.double()
+    contrib = D.norm(dim=0) * t.X.norm(dim=1)
+    d = D[:, int(contrib.argmax())]
+    V = L @ (L.T @ d)[:, None]
+    assert bool((zero_mask(V, float(rtol))[:, 0] & (d != 0)).any())  # the situation
+    assert torch.equal(zero_mask(V, rtol)[:, 0], d == 0)

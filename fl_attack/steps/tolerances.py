@@ -170,14 +170,14 @@ def output_tolerances(dec: Decomposition, cfg: AttackConfig, precision: torch.dt
                       device: torch.device) -> tuple[float, float]:
     """:func:`tolerances` for the output side's search: the zero test tightened per column to
     :data:`ZERO_SD` noise stds (:class:`~fl_attack.core.columns.ColumnNoiseRtol`) when the
-    update is one clean gradient (not :func:`noisy_update`, whose search scales its own trust
-    by the noise; not a FedAvg sum, whose columns keep small entries where a unit was active at
-    some local steps), the tolerance is the default and is looser than the precision's floor
-    (weak samples near the rounding). Otherwise :func:`tolerances` itself."""
+    update is clean (not :func:`noisy_update`, whose search scales its own trust by the noise),
+    its tolerance is the default and looser than the precision's floor (weak samples near the
+    rounding). A FedAvg sum's columns are zero exactly at the units inactive at every local
+    step, so they take the same test: its small non-zero entries (a unit active at a few
+    steps) are entries, not zeros. Otherwise :func:`tolerances` itself."""
     zero_rtol, z_band = tolerances(dec, cfg, precision)
     floor = zero_floor(effective_precision(dec, precision))
-    if (cfg.zero_rtol is not None or cfg.update != "gradient" or noisy_update(dec)
-            or zero_rtol <= floor):
+    if cfg.zero_rtol is not None or noisy_update(dec) or zero_rtol <= floor:
         return zero_rtol, z_band
     L = dec.L.to(device=device, dtype=torch.float64)
     return ColumnNoiseRtol(zero_rtol, L, row_noise(dec, device), floor, ZERO_SD), z_band
