@@ -77,7 +77,7 @@ class CandidatePool:
         -----
         Under noise each candidate is refit to its zero rows within the noise
         (``polish.noisy_refit``) before it is scored: rounded on the clean test's zeros it is
-        still 1e-4 to 1e-3 off its column, which the noisy score punishes below mixtures.
+        still up to 7e-4 (1 - cos) off its column, which the noisy score puts below mixtures.
         """
         ctx = self.ctx
         if proven:
