@@ -10,13 +10,15 @@ split (never trained on) give the update attacked with default settings:
   layer's gradient beside it, as the Flower plugin attacks a FedSGD update by default (it
   peels verified samples off and reads nested pairs, docs/algorithm.md; ``--layer-alone``
   attacks the first layer alone, as the papers do); a batch counts as read above 90 dB;
-* ``fedavg``: 5 full-batch local steps at lr 0.01, the float32 weight difference attacked with
-  ``update="fedavg"`` and ``weights_dtype="float32"`` (as the plugin attacks a float32 reply);
-  read above 25 dB; ``fedavg-mb``: the same with 5 epochs of mini-batches of 10 (a fresh
-  shuffle per epoch: 2 steps per epoch at B = 20, as Flower's examples train locally);
-* ``dpsgd``: one Opacus step, clipping 1, noise std 0.05 x the clipped mean gradient's median
-  entry, the batch size given (as a Flower server reads it from ``num-examples``); read above
-  25 dB. For both, the least-squares ceiling from the true ∂L/∂Z (``bench_dp``).
+* ``fedavg``: 5 (``--epochs``) full-batch local steps at lr 0.01, the float32 weight
+  difference attacked with ``update="fedavg"`` and ``weights_dtype="float32"`` (as the plugin
+  attacks a float32 reply); read above 25 dB; ``fedavg-mb``: the same with 5 epochs of
+  mini-batches of 10 (a fresh shuffle per epoch: 2 steps per epoch at B = 20, as Flower's
+  examples train locally);
+* ``dpsgd``: one Opacus step, clipping 1, noise std 0.05 (``--noise``) x the clipped mean
+  gradient's median entry, the batch size given (as a Flower server reads it from
+  ``num-examples``); read above 25 dB. For both, the least-squares ceiling from the true
+  ∂L/∂Z (``bench_dp``).
 
 The quickstart CNN's ``fc1`` (``--model quickstart``, photo sources only) is attacked on one
 SGD step (lr 0.1) of 8 photos, the float32 weight difference with ``weights_dtype="float32"``:
@@ -138,10 +140,12 @@ class BatchResult:
 
 
 def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tensor,
-               protocol: str, seed: int, max_seconds: float, next_layer: bool = True
-               ) -> BatchResult:
+               protocol: str, seed: int, max_seconds: float, next_layer: bool = True,
+               epochs: int = 5, noise: float = 0.05) -> BatchResult:
     """The first layer's update of one batch under ``protocol``, attacked and scored; a FedSGD
-    update with the second layer's gradient beside it unless ``next_layer`` is False."""
+    update with the second layer's gradient beside it unless ``next_layer`` is False; a FedAvg
+    update of ``epochs`` local epochs; a DP-SGD update with noise std ``noise`` x the clipped
+    mean gradient's median entry."""
     from experiments.bench_dp import dp_updates, oracle_psnr
 
     lin = models.linear_layers(model)[0]
@@ -154,13 +158,13 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
         if next_layer:
             options = {"next_weight_grad": models.layer_gradients(model, xb, yb, layer=1)[0]}
     elif protocol in FEDAVG_BATCH:
-        res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=5,
+        res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=epochs,
                                     batch_size=FEDAVG_BATCH[protocol], seed=seed)
         dw, db, _, _ = updates.weight_update_pair(model.state_dict(), res.state_dict)
         options = {"update": "fedavg", "weights_dtype": "float32"}
     else:
-        u = dp_updates(model, xb, yb, clip=1.0, fracs=[0.05], lr=0.1, delta=1e-5,
-                       seed=seed, engine="opacus")[0.05]
+        u = dp_updates(model, xb, yb, clip=1.0, fracs=[noise], lr=0.1, delta=1e-5,
+                       seed=seed, engine="opacus")[noise]
         dw, db = u.dw, u.db
         ceiling = oracle_psnr(u, xb, _images(xb, src), src.name)
         options = {"batch_size": xb.shape[0]}
@@ -277,7 +281,8 @@ def run_mlp(args: argparse.Namespace, src: Labelled, B: int, m: int) -> None:
                 lo = (args.first_seed + b) * B
                 xb, yb = src.test_x[lo:lo + B], src.test_y[lo:lo + B]
                 r = attack_mlp(model, src, xb, yb, protocol, seed=b, max_seconds=args.max_seconds,
-                               next_layer=not args.layer_alone)
+                               next_layer=not args.layer_alone, epochs=args.epochs,
+                               noise=args.noise)
                 results.append(r)
                 print(f"  {src.name} {B}x{m} {protocol} K={K} acc {acc:.2f} batch {b}: "
                       f"{r.psnr:.1f} dB, {'certified' if r.exact else 'not certified'}, "
@@ -368,8 +373,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layer-alone", action="store_true",
                         help="attack a FedSGD update's first layer without the next layer's "
                              "gradient (the papers' setting; the plugin passes it by default)")
+    parser.add_argument("--epochs", type=int, default=5,
+                        help="local epochs of the FedAvg protocols (default 5)")
+    parser.add_argument("--noise", type=float, default=0.05,
+                        help="DP-SGD noise std as a fraction of the clipped mean gradient's "
+                             "median entry (default 0.05)")
     args = parser.parse_args(argv)
     harness.check_run_args(parser, args)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, got {args.epochs}")
+    if not args.noise > 0:
+        parser.error(f"--noise must be positive, got {args.noise}")
     bad = sorted(set(args.protocols) - set(READ_DB))
     if bad:
         parser.error(f"--protocols: unknown {bad}; expected some of {sorted(READ_DB)}")
@@ -384,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      f"images; the source has {src.test_x.shape[0]} (raise --size)")
     setup = (f"Source {args.source} ({args.size} images, 80% train), {args.model}, steps "
              f"{args.steps}, max_seconds {args.max_seconds}, test batches from "
-             f"{args.first_seed}; FedSGD attacked "
+             f"{args.first_seed}; FedAvg E = {args.epochs}; DP-SGD f = {args.noise}; "
+             f"FedSGD attacked "
              f"{'layer alone' if args.layer_alone else 'with the next layer'}.")
     harness.start_section(args.out, TITLE, INTRO, [
         harness.section_heading(MODULE, argv), "", harness.machine_line(args.device), "",
