@@ -138,10 +138,10 @@ class BatchResult:
     stats: training_stats.UpdateStats
     unheld: int
     """Samples the update holds below the row's threshold (left out of ``psnr``)."""
-    held: int = 0
+    held: int | None = None
     """Samples above the rounding whose least-squares reconstruction from the true ∂L/∂Z
     passes the row's threshold (:func:`_held_psnr`)."""
-    read_held: int = 0
+    read_held: int | None = None
     """Of those, the samples the attack reads above the threshold."""
     span_oracle: float | None = None
     """FedSGD: the batch's mean PSNR over the same samples from the update's span at the
@@ -186,8 +186,8 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     score = metrics.score_batch(images, _images(xb, src), shared=rec.merged > 0)
     kept = ~stats.below_rounding
     if protocol in FEDAVG_BATCH:
-        ceiling = _fedavg_ceiling(dw, xb, src)
         Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
+        ceiling = _fedavg_ceiling(Z, dw, xb, src)
     elif protocol == "fedsgd":
         D = grads[0]
         held = _fedsgd_ceiling(D, dw, xb, src)
@@ -206,11 +206,11 @@ def _images(xn: torch.Tensor, src: Labelled) -> torch.Tensor:
     return data.denormalize(xn.reshape(-1, *src.shape), src.name)
 
 
-def _fedavg_ceiling(dw: torch.Tensor, xb: torch.Tensor, src: Labelled) -> float:
-    """Mean PSNR of X from the update's true columns Z = ΔW X⁺ by least squares."""
+def _fedavg_ceiling(Z: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
+                    src: Labelled) -> float:
+    """Mean PSNR of X from the update's true columns ``Z`` = ΔW X⁺ by least squares."""
     from experiments.bench_dp import least_squares_psnr
 
-    Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
     return least_squares_psnr(Z, dw, _images(xb, src), src.name)
 
 
@@ -289,7 +289,8 @@ def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: f
             min(s.closest for s in st), sum(r.unheld for r in results),
             f"{100 * sum(c > READ_DB[protocol] for c in ceilings) / len(ceilings):.0f}"
             if ceilings else "—",
-            f"{sum(r.read_held for r in results)} of {sum(r.held for r in results)}",
+            f"{sum(r.read_held or 0 for r in results)} of {sum(r.held or 0 for r in results)}"
+            if any(r.held is not None for r in results) else "—",
             f"{100 * sum(s > READ_DB[protocol] for s in spans) / len(spans):.0f}"
             if spans else "—"]
 
