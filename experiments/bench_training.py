@@ -155,7 +155,7 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     update with the second layer's gradient beside it unless ``next_layer`` is False; a FedAvg
     update of ``epochs`` local epochs; a DP-SGD update with noise std ``noise`` x the clipped
     mean gradient's median entry."""
-    from experiments.bench_dp import dp_updates, oracle_psnr, true_columns
+    from experiments.bench_dp import dp_updates, least_squares_psnr, true_columns
 
     lin = models.linear_layers(model)[0]
     w0, b0 = lin.weight.detach(), lin.bias.detach()
@@ -170,13 +170,12 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
         res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=epochs,
                                     batch_size=FEDAVG_BATCH[protocol], seed=seed)
         dw, db, _, _ = updates.weight_update_pair(model.state_dict(), res.state_dict)
+        Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
         options = {"update": "fedavg", "weights_dtype": "float32"}
     else:
         u = dp_updates(model, xb, yb, clip=1.0, fracs=[noise], lr=0.1, delta=1e-5,
                        seed=seed, engine="opacus")[noise]
-        dw, db = u.dw, u.db
-        ceiling = oracle_psnr(u, xb, _images(xb, src), src.name)
-        Z = true_columns(u, xb)
+        dw, db, Z = u.dw, u.db, true_columns(u, xb)
         options = {"batch_size": xb.shape[0]}
     t0 = time.perf_counter()
     rec = fl_attack.invert(dw, db, weight=w0, bias=b0, seed=seed, max_seconds=max_seconds,
@@ -185,15 +184,15 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
     images = data.denormalize(rec.inputs.float().reshape(-1, *src.shape), src.name)
     score = metrics.score_batch(images, _images(xb, src), shared=rec.merged > 0)
     kept = ~stats.below_rounding
-    if protocol in FEDAVG_BATCH:
-        Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
-        ceiling = _fedavg_ceiling(Z, dw, xb, src)
-    elif protocol == "fedsgd":
+    if protocol == "fedsgd":
         D = grads[0]
-        held = _fedsgd_ceiling(D, dw, xb, src)
+        held = _held_psnr(D, dw, xb, src)
         kept, ceiling = held > READ_DB[protocol], float(held.min())
         span = _span_oracle(D, dw, db, xb, src, rec.batch_size)
-    held_mask = kept & (_held_psnr(Z, dw, xb, src) > READ_DB[protocol]) if Z is not None else kept
+        held_mask = kept
+    else:
+        ceiling = least_squares_psnr(Z, dw, _images(xb, src), src.name)
+        held_mask = kept & (_held_psnr(Z, dw, xb, src) > READ_DB[protocol])
     return BatchResult(float(score.psnr[kept].mean()) if bool(kept.any()) else 0.0, rec.exact,
                        rec.sparsity_match, rec.n_directions, seconds, rec.stopped, ceiling,
                        stats, int((~kept).sum()), int(held_mask.sum()),
@@ -206,39 +205,23 @@ def _images(xn: torch.Tensor, src: Labelled) -> torch.Tensor:
     return data.denormalize(xn.reshape(-1, *src.shape), src.name)
 
 
-def _fedavg_ceiling(Z: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
-                    src: Labelled) -> float:
-    """Mean PSNR of X from the update's true columns ``Z`` = ΔW X⁺ by least squares."""
-    from experiments.bench_dp import least_squares_psnr
-
-    return least_squares_psnr(Z, dw, _images(xb, src), src.name)
-
-
-def _held_psnr(Z: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
-               src: Labelled) -> torch.Tensor:
-    """Per-sample PSNR (B,) of X = Z⁺ ΔW from the true columns ``Z`` (m, B).
-
-    The batch's mean of these (the ceiling column) is no bound on an attack's mean under
-    noise: a weak sample's row takes the noise amplified by its small column, often to a
-    negative PSNR, where an attack that reads fewer columns scores it at its nearest
-    reconstruction. Counting the samples each passes the threshold on compares like with
-    like."""
-    Xh = torch.linalg.pinv(Z.double()) @ dw.double()
-    images = data.denormalize(Xh.float().reshape(-1, *src.shape), src.name)
-    return metrics.psnr(images, _images(xb, src))
-
-
 def _least_squares(D: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
     """X = D⁺ ΔW (B, n): what the update ``dw`` holds of each sample, given the true ∂L/∂Z
     ``D`` (m, B), whatever finds the columns (scaled by the step's learning rate)."""
     return torch.linalg.pinv(D) @ dw.double()
 
 
-def _fedsgd_ceiling(D: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
-                    src: Labelled) -> torch.Tensor:
-    """Per-sample PSNR (B,) of X = D⁺ ΔW from the true ∂L/∂Z D (float64,
-    ``training_stats.output_grad``) and the float32 gradient: what the update holds of each
-    sample, whatever finds the columns."""
+def _held_psnr(D: torch.Tensor, dw: torch.Tensor, xb: torch.Tensor,
+               src: Labelled) -> torch.Tensor:
+    """Per-sample PSNR (B,) of X = D⁺ ΔW from the true columns ``D`` (m, B, float64: the true
+    ∂L/∂Z of ``training_stats.output_grad``, or a FedAvg / DP-SGD update's true columns) and
+    the float32 update: what the update holds of each sample, whatever finds the columns.
+
+    Under noise the batch's mean of these (the FedAvg / DP-SGD ceiling column) is no bound on
+    an attack's mean: a weak sample's row takes the noise amplified by its small column, often
+    to a negative PSNR, where an attack that reads fewer columns scores it at its nearest
+    reconstruction; counting the samples each passes the threshold on compares like with
+    like."""
     Xh = _least_squares(D, dw)
     images = data.denormalize(Xh.float().reshape(-1, *src.shape), src.name)
     truth = _images(xb, src)
@@ -253,7 +236,7 @@ def _span_oracle(D: torch.Tensor, dw: torch.Tensor, db: torch.Tensor, xb: torch.
 
     An attack that finds every column its span holds reads this much: the weak samples'
     contributions inside the span, unknown to the strong ones' columns, bound it below the
-    ceiling (:func:`_fedsgd_ceiling`, which knows every column)."""
+    ceiling (:func:`_held_psnr`, which knows every column)."""
     X = xb.reshape(xb.shape[0], -1).double()
     top = torch.argsort(D.norm(dim=0) * X.norm(dim=1), descending=True)[:rank]
     U = torch.linalg.svd(dw.double(), full_matrices=False)[0][:, :rank]
