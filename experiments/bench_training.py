@@ -15,6 +15,10 @@ split (never trained on) give the update attacked with default settings:
   attacks a float32 reply); read above 25 dB; ``fedavg-mb``: the same with 5 epochs of
   mini-batches of 10 (a fresh shuffle per epoch: 2 steps per epoch at B = 20, as Flower's
   examples train locally);
+* ``fedavg-step``: one full-batch local step at lr 0.01 read as the Flower plugin reads a
+  reply by default: its ``gradient`` reading, with the next layer's float32 weight difference
+  and that layer's sent weight beside it (``next_weight``) and ``weights_dtype="float32"``;
+  read above 25 dB;
 * ``dpsgd``: one Opacus step, clipping 1, noise std 0.05 (``--noise``) x the clipped mean
   gradient's median entry, the batch size given (as a Flower server reads it from
   ``num-examples``); read above 25 dB. For both, the least-squares ceiling from the true
@@ -78,7 +82,8 @@ COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", 
            "ceiling % (true ∂L/∂Z)", "samples read of those least squares holds",
            "span oracle % (true columns in the update's span)")
 DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
-READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "fedavg-mb": 25.0, "dpsgd": 25.0}
+READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "fedavg-mb": 25.0, "fedavg-step": 25.0,
+           "dpsgd": 25.0}
 FEDAVG_BATCH = {"fedavg": None, "fedavg-mb": 10}
 """Local mini-batch size of each FedAvg protocol (None: full batch)."""
 CNN_LR = 0.1
@@ -166,12 +171,20 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
         dw, db = models.first_layer_gradients(model, xb, yb)
         if next_layer:
             options = {"next_weight_grad": models.layer_gradients(model, xb, yb, layer=1)[0]}
-    elif protocol in FEDAVG_BATCH:
-        res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01, epochs=epochs,
-                                    batch_size=FEDAVG_BATCH[protocol], seed=seed)
-        dw, db, _, _ = updates.weight_update_pair(model.state_dict(), res.state_dict)
+    elif protocol in FEDAVG_BATCH or protocol == "fedavg-step":
+        step = protocol == "fedavg-step"
+        res = simulate.local_update(model, xb, yb, protocol="fedavg", lr=0.01,
+                                    epochs=1 if step else epochs,
+                                    batch_size=FEDAVG_BATCH.get(protocol), seed=seed)
+        before = model.state_dict()
+        dw, db, _, _ = updates.weight_update_pair(before, res.state_dict)
         Z = dw.double() @ torch.linalg.pinv(xb.reshape(xb.shape[0], -1).double())
-        options = {"update": "fedavg", "weights_dtype": "float32"}
+        options = {"update": "gradient" if step else "fedavg", "weights_dtype": "float32"}
+        if step:
+            key = [k for k in before if k.endswith("weight")][1]
+            options["next_weight"] = before[key]
+            options["next_weight_grad"] = updates.weight_update_pair(
+                before, res.state_dict, weight_key=key)[0]
     else:
         u = dp_updates(model, xb, yb, clip=1.0, fracs=[noise], lr=0.1, delta=1e-5,
                        seed=seed, engine="opacus")[noise]
@@ -380,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=2000, help="images loaded (80%% train)")
     parser.add_argument("--settings", type=harness.parse_settings, default="10x200,20x200")
     parser.add_argument("--protocols", type=harness.list_of(str, "--protocols"),
-                        default=["fedsgd"], help="fedsgd, fedavg, fedavg-mb, dpsgd")
+                        default=["fedsgd"], help="fedsgd, fedavg, fedavg-mb, fedavg-step, dpsgd")
     parser.add_argument("--steps", type=harness.list_of(int, "--steps"),
                         default=[int(k) for k in DEFAULT_STEPS.split(",")])
     parser.add_argument("--model", choices=("mlp", "quickstart"), default="mlp")

@@ -33,6 +33,7 @@ def invert(
     device: str | torch.device | None = None,
     config: AttackConfig | None = None,
     next_weight_grad: torch.Tensor | np.ndarray | None = None,
+    next_weight: torch.Tensor | np.ndarray | None = None,
     **options: Any,
 ) -> Reconstruction:
     """Recover the batch that produced a linear layer's gradient (SPEAR / SPEAR++).
@@ -63,6 +64,9 @@ def invert(
         step): found samples are then recovered and verified one by one and taken off the
         gradient, so the rest is searched as a smaller batch (``fl_attack.steps.peel``, beyond the
         papers). Needs ``weight`` and ``bias``; clean single-step gradients only.
+    next_weight : (k, m), optional
+        That layer's weight before the step: with ``weights_dtype``, a weight difference's
+        next layer is read above its own stored weights' rounding (docs/algorithm.md step 10).
     **options
         Fields of :class:`AttackConfig` (e.g. ``max_seconds``, ``sparse``, ``update``).
 
@@ -79,8 +83,8 @@ def invert(
         An unknown option, or an argument that is not a real tensor or array.
     ValueError
         An invalid option value, wrong shapes, non-finite gradients, a weight without a bias,
-        an unknown or unavailable device, or a ``next_weight_grad`` that cannot belong to this
-        layer. Two subclasses say why the update itself cannot be inverted:
+        an unknown or unavailable device, or a ``next_weight_grad`` (or ``next_weight``) that
+        cannot belong to this layer. Two subclasses say why the update itself cannot be inverted:
         :class:`fl_attack.errors.NotIdentifiable` (a batch not smaller than the layer, or
         noise that hides it) and :class:`fl_attack.errors.ZeroUpdate` (an all-zero gradient).
 
@@ -90,7 +94,8 @@ def invert(
     """
     start = time.perf_counter()
     cfg = AttackConfig.from_options(config, method=method, **options)
-    layer = load_layer(weight_grad, bias_grad, weight, bias, next_weight_grad, device, cfg)
+    layer = load_layer(weight_grad, bias_grad, weight, bias, next_weight_grad, device, cfg,
+                       next_weight=next_weight)
     clock = Clock(cfg.max_seconds, start=start)
     if cfg.sparse == "input":  # the layer's inputs are the sparse factor (SPEAR §3.2)
         return input_side.invert_inputs(layer, cfg, seed, clock)

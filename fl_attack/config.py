@@ -51,7 +51,9 @@ class AttackConfig:
     weights_dtype: str | None = None
     """The dtype the client stores its weights in (``"float32"``, ``"float16"``, ``"bfloat16"``,
     ``"float64"``) when ``weight_grad`` is ``W₀ - W_E``: the rounding of storing W_E is then
-    never read as samples (:func:`fl_attack.steps.tolerances.rounding_edge`). Needs ``weight``."""
+    never read as samples (:func:`fl_attack.steps.tolerances.rounding_edge`), and any dtype but
+    float64 gives the update float32's tolerances, whatever dtype it is passed in. Needs
+    ``weight``."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the

@@ -110,7 +110,9 @@ class LayerUpdate:
     """One linear layer's update, validated: what every side of the attack inverts.
 
     Tensors are float64 on ``device``; ``precision`` is the coarsest precision they were given
-    in (it sets the numerical tolerances, ``fl_attack.steps.tolerances``).
+    in, or float32 for a difference of weights stored in float32 or coarser (``weights_dtype``:
+    a float64 copy of ``W₀ - W_E`` holds no more), and sets the numerical tolerances
+    (``fl_attack.steps.tolerances``).
     """
 
     weight_grad: torch.Tensor
@@ -128,11 +130,13 @@ class LayerUpdate:
     rounding_edge: float = 0.0
     """The estimated largest singular value the stored weights' rounding adds to ``weight_grad``
     (``AttackConfig.weights_dtype``, ``tolerances.rounding_edge``); 0 for a gradient."""
+    next_rounding_edge: float = 0.0
+    """The same for ``next_weight_grad`` (needs ``next_weight``); 0 when not known."""
 
 
 def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
                next_weight_grad: Any, device: str | torch.device | None,
-               cfg: AttackConfig) -> LayerUpdate:
+               cfg: AttackConfig, *, next_weight: Any = None) -> LayerUpdate:
     """Check the arguments of ``fl_attack.invert`` and convert them to a :class:`LayerUpdate`.
 
     Raises
@@ -141,12 +145,14 @@ def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
         An argument that is not a real torch tensor or numpy array.
     ValueError
         Wrong shapes, non-finite gradients, weight without bias, an unknown device, or a
-        ``next_weight_grad`` that cannot belong to this layer or attack.
+        ``next_weight_grad`` (or ``next_weight``) that cannot belong to this layer or attack.
     fl_attack.errors.ZeroUpdate
         An all-zero gradient (``part``: ``"weight"``, ``"bias"`` or ``"next-weight"``).
     """
     dev = resolve_device(device)
     precision = input_precision(weight_grad, bias_grad)
+    if cfg.weights_dtype not in (None, "float64"):  # W₀ - W_E is no finer than W_E's storage
+        precision = torch.float32
     G = as_tensor(weight_grad, "weight_grad", ndim=2, device=dev)
     g = as_tensor(bias_grad, "bias_grad", ndim=1, device=dev)
     W = as_tensor(weight, "weight", ndim=2, device=dev) if weight is not None else None
@@ -156,6 +162,7 @@ def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
     if next_weight_grad is not None:
         G2 = as_tensor(next_weight_grad, "next_weight_grad", ndim=2, device=dev)
         check_next_layer(G, G2, W, cfg)
+    next_edge = _next_rounding_edge(next_weight, G2, dev, cfg)
     edge = 0.0
     if cfg.weights_dtype is not None:
         if W is None:
@@ -163,4 +170,21 @@ def load_layer(weight_grad: Any, bias_grad: Any, weight: Any, bias: Any,
                              "(pass weight= and bias=): its rounding is read off W₀ - update")
         edge = rounding_edge(W, G, cfg.weights_dtype)
     return LayerUpdate(weight_grad=G, bias_grad=g, weight=W, bias=b, next_weight_grad=G2,
-                       precision=precision, device=dev, rounding_edge=edge)
+                       precision=precision, device=dev, rounding_edge=edge,
+                       next_rounding_edge=next_edge)
+
+
+def _next_rounding_edge(next_weight: Any, G2: torch.Tensor | None,
+                        dev: torch.device, cfg: AttackConfig) -> float:
+    """The rounding edge of the next layer's weight difference (0 without ``next_weight`` or
+    ``weights_dtype``), after checking ``next_weight`` against ``next_weight_grad``."""
+    if next_weight is None:
+        return 0.0
+    if G2 is None:
+        raise ValueError("next_weight needs next_weight_grad (it sets the rounding floor of "
+                         "the next layer's weight difference)")
+    W2 = as_tensor(next_weight, "next_weight", ndim=2, device=dev)
+    if W2.shape != G2.shape:
+        raise ValueError(f"next_weight has shape {tuple(W2.shape)}, next_weight_grad "
+                         f"{tuple(G2.shape)}: they must match")
+    return rounding_edge(W2, G2, cfg.weights_dtype) if cfg.weights_dtype is not None else 0.0

@@ -539,3 +539,21 @@ def test_a_drop_ends_the_signal_only_above_a_rounding_bulk() -> None:
     flat = torch.cat([samples[:1], 1e3 * bulk]).sort(descending=True).values
     assert float(flat[0] / flat[1]) > 1e3
     assert estimate_rank(flat, 120, 400, floor_rtol=1e-6, max_rank=120)[0] == 1
+
+
+@pytest.mark.parametrize(("dtype", "weights_dtype", "want"), [
+    (torch.float64, None, torch.float64), (torch.float64, "float64", torch.float64),
+    (torch.float64, "float32", torch.float32), (torch.float64, "bfloat16", torch.float32),
+    (torch.float32, None, torch.float32)])
+def test_a_difference_of_stored_weights_is_as_precise_as_their_storage(
+        dtype: torch.dtype, weights_dtype: str | None, want: torch.dtype) -> None:
+    """The tolerances follow the coarser of the update's dtype and the weights' storage: a
+    float64 copy of the difference of float32 weights (what a Flower server forms from a
+    reply) is read at float32's tolerances, as the float32 difference is."""
+    from fl_attack.validation import load_layer
+
+    gen = torch.Generator().manual_seed(0)
+    G, W = torch.randn(6, 4, generator=gen, dtype=dtype), torch.randn(6, 4, generator=gen)
+    g, b = torch.randn(6, generator=gen, dtype=dtype), torch.randn(6, generator=gen)
+    layer = load_layer(G, g, W, b, None, "cpu", AttackConfig(weights_dtype=weights_dtype))
+    assert layer.precision == want

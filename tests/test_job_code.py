@@ -48,3 +48,25 @@ def test_an_unchanged_model_is_no_update_by_its_type_not_its_words() -> None:
     target, work = attack_job(sent, returned, settings, label="moved", num_examples=2)
     assert isinstance(work, AttackJob) and work.num_examples == 2
     assert work.next_weight_grad is not None and work.readings == ("gradient", "fedavg")
+    assert work.next_weight is not None  # its weights' rounding floor
+    assert np.array_equal(work.next_weight, sent["1.weight"])
+
+
+def test_the_gradient_reading_passes_the_next_layer_and_its_weight(monkeypatch) -> None:
+    """Under the ``gradient`` reading ``fl_attack.invert`` gets the next layer's update and its
+    sent weight (its rounding floor); under ``fedavg``, a sum of steps, neither."""
+    import fl_attack
+    from fl_attack_flwr.jobs import run
+
+    sent, returned = _states()
+    _, work = attack_job(sent, returned, AttackSettings(executor="inline"), label="c",
+                         num_examples=2)
+    assert isinstance(work, AttackJob)
+    seen: dict[str, dict] = {}
+    monkeypatch.setattr(fl_attack, "invert",
+                        lambda *a, **kw: seen.setdefault(kw["update"], kw))
+    for reading in ("gradient", "fedavg"):
+        run._invert(work, reading, {})
+    assert np.array_equal(seen["gradient"]["next_weight"].numpy(), sent["1.weight"])
+    assert np.array_equal(seen["gradient"]["next_weight_grad"].numpy(), work.next_weight_grad)
+    assert "next_weight" not in seen["fedavg"] and "next_weight_grad" not in seen["fedavg"]

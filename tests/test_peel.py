@@ -196,9 +196,38 @@ def test_bad_next_layer_inputs_raise(case) -> None:
         fl_attack.invert(G, g, weight=W, bias=b, next_weight_grad=torch.zeros_like(G2))
     with pytest.raises(ValueError, match=r"next_weight_grad must be a \(m, n\) matrix"):
         fl_attack.invert(G, g, weight=W, bias=b, next_weight_grad=G2[0])
+    with pytest.raises(ValueError, match="next_weight needs next_weight_grad"):
+        fl_attack.invert(G, g, weight=W, bias=b, next_weight=G2)
+    with pytest.raises(ValueError, match=r"next_weight has shape \(10, 200\)"):
+        fl_attack.invert(G, g, weight=W, bias=b, next_weight_grad=G2, next_weight=G2[:10])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean call warns about nothing
         fl_attack.invert(G, g, weight=W, bias=b, next_weight_grad=G2, seed=0)
+
+
+def test_a_weight_differences_next_layer_is_read_above_its_stored_weights_rounding(
+        real_batch) -> None:
+    """A one-step weight difference of the next layer, its weights stored in float32, with
+    five samples' contributions below that storage's rounding (a trained model's weakest):
+    read above the rounding edge of ``next_weight``, the span is the other 15 samples'
+    activations to float32 precision and holds no rounding direction. (Without the edge the
+    same difference reads at a rank of 176: rounding directions taken for samples.)"""
+    from fl_attack.steps.tolerances import rounding_edge
+
+    t = real_batch("photos32", B, M, 0, layer=1)  # the next layer: its inputs, ∂L/∂Z, weight
+    D = t.D.clone()
+    D[:, :5] *= 1e-5
+    W0 = t.W.float()
+    dW = W0.double() - (W0.double() - 0.01 * D @ t.X).float().double()
+    edge = rounding_edge(W0, dW, "float32")
+    strength = 0.01 * D.norm(dim=0) * t.X.norm(dim=1)
+    strong = strength > 100 * edge
+    assert int(strong.sum()) == 15 and bool((strength[~strong] < edge).all())  # as built
+    rows2 = peel.next_layer_rows(dW, B, 1e-6, any_rank=True, noise_floor=edge)
+    assert rows2 is not None and rows2.shape == (15, M)
+    H = t.X.T[:, strong]
+    off = (H - rows2.T @ (rows2 @ H)).norm(dim=0) / H.norm(dim=0)
+    assert float(off.max()) < 1e-3
 
 
 def test_a_sample_only_read_replaces_its_row_in_an_unproven_basis_and_is_never_verified(

@@ -433,7 +433,8 @@ def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
     """The next layer's activation span (computed once, at the first level) and the peeler
     that uses it; nothing on noisy updates or without a next layer.
 
-    The span is read at rank B; where the next layer's own rank reading differs (a trained
+    The span is read at rank B, above the next layer's stored weights' rounding for a weight
+    difference (``LayerUpdate.next_rounding_edge``); where its own rank reading differs (a trained
     model's weakest samples fall below float32 rounding at a different rank in each layer),
     at that reading: each peeled sample is verified on its own, so a span missing the
     weakest samples' activations still peels the others."""
@@ -441,10 +442,13 @@ def _next_layer(ctx: SearchContext, state: SearchState, layer: LayerUpdate,
     if layer.next_weight_grad is not None and rows2 is None and not ctx.noisy and B > 1:
         t0 = time.perf_counter()
         rows2 = peel.next_layer_rows(layer.next_weight_grad, B, rank_floor(layer.precision),
-                                     ctx.generator, any_rank=True)
+                                     ctx.generator, any_rank=True,
+                                     noise_floor=layer.next_rounding_edge)
         ctx.clock.tick("peel", t0)
         if rows2 is None:
-            warnings.warn("next_weight_grad has no rank reading: samples are not peeled",
+            hint = ("" if layer.rounding_edge == 0 or layer.next_rounding_edge > 0 else
+                    " (a weight difference: pass next_weight= for its stored weights' rounding)")
+            warnings.warn(f"next_weight_grad has no rank reading: samples are not peeled{hint}",
                           stacklevel=5)
     if rows2 is not None and not ctx.noisy:
         dec, system, found_rows = ctx.dec, ctx.system, rows2

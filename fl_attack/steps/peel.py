@@ -114,7 +114,7 @@ class Peeled:
 
 def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol: float,
                     generator: torch.Generator | None = None, *,
-                    any_rank: bool = False) -> torch.Tensor | None:
+                    any_rank: bool = False, noise_floor: float = 0.0) -> torch.Tensor | None:
     """(B, m) orthonormal basis of the next layer's activations' span, or None when the next
     layer's gradient does not have rank B (a sample with a zero loss gradient there, or two
     with the same activations: then no kernel is trustworthy). With ``any_rank``, the span at
@@ -123,7 +123,10 @@ def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol:
     a different rank in each layer, and each sample is verified on its own.
 
     A randomised range finder with one power step (O(k m B) instead of an SVD of the whole
-    k x m matrix) when its spectrum shows a clean cliff after B values; ``decompose`` otherwise.
+    k x m matrix) when its spectrum shows a clean cliff after B values; ``decompose`` otherwise,
+    above ``noise_floor`` (the next layer's stored weights' rounding,
+    ``tolerances.rounding_edge``, for a weight difference): without it that rounding, a full
+    rank of values at 1e-6 of the largest, reads as no rank at all.
     """
     G2 = next_weight_grad
     k, m = G2.shape
@@ -137,7 +140,7 @@ def next_layer_rows(next_weight_grad: torch.Tensor, batch_size: int, floor_rtol:
         if sv[B - 1] > 0 and sv[B] < CLIFF * sv[B - 1]:
             return (Y @ Vh[:B].T).T.contiguous()
     try:
-        dec = decompose(G2, floor_rtol=floor_rtol)
+        dec = decompose(G2, floor_rtol=floor_rtol, noise_floor=noise_floor)
     except NotIdentifiable:  # the next layer's rank is full or zero: not B either
         return None
     if dec.batch_size != B and not any_rank:

@@ -48,6 +48,8 @@ class AttackJob:
     """A ``jobs.pixels.PixelTask`` when the reconstructed features are to become pictures."""
     num_examples: int | None = None
     """The samples the reply says the client trained on (an upper bound of the batch size)."""
+    next_weight: np.ndarray | None = None
+    """The next layer's weight as sent (beside ``next_weight_grad``: its rounding floor)."""
 
 
 @dataclass(frozen=True)
@@ -102,16 +104,17 @@ def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np
     dw, db, w0, b0 = weight_update_pair(sent, returned, weight_key=layer.weight_key,
                                         bias_key=layer.bias_key)
     readings = settings.readings()
-    dw2 = None
+    dw2 = w2 = None
     if settings.next_layer and layer.next_weight_key is not None and "gradient" in readings:
         dw2 = _next_layer_update(sent, returned, layer)
+        w2 = None if dw2 is None else np.asarray(sent[layer.next_weight_key])
     kwargs = settings.invert_kwargs()
     stored = _stored_dtype(returned[layer.weight_key])
     if stored is not None and (num_examples is None or num_examples < min(dw.shape)):
         kwargs.setdefault("weights_dtype", stored)
     return AttackJob(server_round, node_id, label, dw.numpy(), db.numpy(), w0.numpy(),
                      b0.numpy(), dw2, readings, kwargs, settings.memory_limit_gb,
-                     num_examples=num_examples)
+                     num_examples=num_examples, next_weight=w2)
 
 
 def _stored_dtype(value: Any) -> str | None:

@@ -163,13 +163,16 @@ def _invert(job: AttackJob, reading: str, kwargs: dict[str, Any]) -> Any:
 
     from fl_attack import invert
 
-    next_grad = job.next_weight_grad if reading == "gradient" else None
+    nexts = {}
+    if reading == "gradient" and job.next_weight_grad is not None:
+        nexts["next_weight_grad"] = torch.tensor(job.next_weight_grad)
+        if job.next_weight is not None:
+            nexts["next_weight"] = torch.tensor(job.next_weight)
     # torch.tensor copies: arrays that come through Ray's object store are read-only
     return invert(
         torch.tensor(job.weight_grad), torch.tensor(job.bias_grad),
-        weight=torch.tensor(job.weight), bias=torch.tensor(job.bias),
-        next_weight_grad=None if next_grad is None else torch.tensor(next_grad),
-        update=reading, **kwargs)
+        weight=torch.tensor(job.weight), bias=torch.tensor(job.bias), update=reading,
+        **nexts, **kwargs)
 
 
 _OOM_WORDS = ("allocate memory", "out of memory", "bad_alloc", "not enough memory")
