@@ -106,8 +106,7 @@ def build_job(server_round: int, node_id: int, label: str, sent: Mapping[str, np
     readings = settings.readings()
     dw2 = w2 = None
     if settings.next_layer and layer.next_weight_key is not None and "gradient" in readings:
-        dw2 = _next_layer_update(sent, returned, layer)
-        w2 = None if dw2 is None else np.asarray(sent[layer.next_weight_key])
+        dw2, w2 = _next_layer_update(sent, returned, layer)
     kwargs = settings.invert_kwargs()
     stored = _stored_dtype(returned[layer.weight_key])
     if stored is not None and (num_examples is None or num_examples < min(dw.shape)):
@@ -127,12 +126,15 @@ def _stored_dtype(value: Any) -> str | None:
 
 
 def _next_layer_update(sent: Mapping[str, np.ndarray], returned: Mapping[str, np.ndarray],
-                       layer: LayerChoice) -> np.ndarray | None:
-    """``W0 - W_E`` of the layer the attacked one feeds, if it takes its outputs."""
+                       layer: LayerChoice) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``W0 - W_E`` and ``W0`` of the layer the attacked one feeds, if it takes its outputs
+    (``None, None`` otherwise)."""
     from fl_attack.model.updates import weight_update_pair
 
     try:
-        dw2, *_ = weight_update_pair(sent, returned, weight_key=layer.next_weight_key)
+        dw2, _, w2, _ = weight_update_pair(sent, returned, weight_key=layer.next_weight_key)
     except ValueError:
-        return None
-    return dw2.numpy() if dw2.shape[1] == layer.shape[0] else None
+        return None, None
+    if dw2.shape[1] != layer.shape[0]:
+        return None, None
+    return dw2.numpy(), w2.numpy()
