@@ -50,10 +50,8 @@ class AttackConfig:
     candidates (``experiments/results/dp.md``); clipping alone works with both."""
     weights_dtype: str | None = None
     """The dtype the client stores its weights in (``"float32"``, ``"float16"``, ``"bfloat16"``,
-    ``"float64"``) when ``weight_grad`` is ``W₀ - W_E``: the rounding of storing W_E is then
-    never read as samples (:func:`fl_attack.steps.tolerances.rounding_edge`), and any dtype but
-    float64 gives the update float32's tolerances, whatever dtype it is passed in. Needs
-    ``weight``."""
+    ``"float64"``) when ``weight_grad`` is ``W₀ - W_E``: its rounding is never read as samples
+    (``tolerances.rounding_edge``); below float64, float32's tolerances. Needs ``weight``."""
     sparse: str = "output"
     """Which factor is sparse: ``"output"`` (∂L/∂Z, any layer followed by ReLU), ``"input"`` (the
     layer's inputs, a layer preceded by ReLU) or ``"auto"`` (try output, then input; keep the
