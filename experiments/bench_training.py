@@ -46,6 +46,10 @@ that span. For FedAvg and DP-SGD the ceiling column is the share of batches whos
 mean over all samples passes 25 dB; under noise that mean is no bound on an attack's (a weak
 sample's row takes the noise amplified to a negative PSNR), so the next column counts samples:
 those the least squares holds above the row's threshold, and how many of them the attack reads.
+The last column checks what an uncertified record says of its rows against the truth: the
+rows it names unproven (``Reconstruction.unproven``) and verified one by one
+(``Reconstruction.verified``), and the worst true PSNR of a verified row and of a row it names
+neither way.
 
     python -m experiments.bench_training --source mnist --settings 20x200 --protocols fedsgd
     python -m experiments.bench_training --source mixed32 --steps 0,100,1000,3000
@@ -80,7 +84,8 @@ COLUMNS = ("source", "model", "B", "m", "protocol", "K", "test acc", "batches", 
            "grad-norm spread (median)", "zeros/column (min-median)", "always-on / off units",
            "closest pair differs on", "samples held below the threshold",
            "ceiling % (true ∂L/∂Z)", "samples read of those least squares holds",
-           "span oracle % (true columns in the update's span)")
+           "span oracle % (true columns in the update's span)",
+           "uncertified batches: rows named unproven / verified; worst other row, worst verified")
 DEFAULT_STEPS = "0,30,100,300,1000,3000,10000"
 READ_DB = {"fedsgd": 90.0, "fedavg": 25.0, "fedavg-mb": 25.0, "fedavg-step": 25.0,
            "dpsgd": 25.0}
@@ -151,6 +156,34 @@ class BatchResult:
     span_oracle: float | None = None
     """FedSGD: the batch's mean PSNR over the same samples from the update's span at the
     attack's rank reading with the true columns (:func:`_span_oracle`)."""
+    proof: RowProof | None = None
+    """What an uncertified record says of its rows, beside their true PSNR."""
+
+
+@dataclass
+class RowProof:
+    """An uncertified reconstruction's rows as its record names them, scored: the rows named
+    unproven (``Reconstruction.unproven``), those verified one by one through the next layer
+    (``Reconstruction.verified``), and the worst true PSNR among the verified rows and among
+    the rest, which the record names neither way."""
+
+    named: int
+    verified: int
+    worst_other: float | None
+    worst_verified: float | None
+
+
+def _row_proof(rec: fl_attack.Reconstruction, score: metrics.MatchedScore) -> RowProof | None:
+    """:class:`RowProof` of an uncertified ``rec`` (None when certified)."""
+    if rec.exact:
+        return None
+    by_row = {int(r): float(p) for r, p in zip(score.perm, score.psnr, strict=True)
+              if int(r) >= 0}
+    named, verified = {r for r, _ in rec.unproven}, set(rec.verified)
+    other = [p for r, p in by_row.items() if r not in named and r not in verified]
+    ver = [p for r, p in by_row.items() if r in verified]
+    return RowProof(len(named), len(verified), min(other) if other else None,
+                    min(ver) if ver else None)
 
 
 def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tensor,
@@ -211,7 +244,7 @@ def attack_mlp(model: nn.Module, src: Labelled, xb: torch.Tensor, yb: torch.Tens
                        stats, int((~kept).sum()), int(held_mask.sum()),
                        int((held_mask & (score.psnr > READ_DB[protocol])).sum()),
                        float(span[kept].mean()) if protocol == "fedsgd" and bool(kept.any())
-                       else None)
+                       else None, _row_proof(rec, score))
 
 
 def _images(xn: torch.Tensor, src: Labelled) -> torch.Tensor:
@@ -288,7 +321,20 @@ def row(src: Labelled, label: str, B: int, m: int, protocol: str, K: int, acc: f
             f"{sum(r.read_held or 0 for r in results)} of {sum(r.held or 0 for r in results)}"
             if any(r.held is not None for r in results) else "—",
             f"{100 * sum(s > READ_DB[protocol] for s in spans) / len(spans):.0f}"
-            if spans else "—"]
+            if spans else "—", _proof_cell(results)]
+
+
+def _proof_cell(results: list[BatchResult]) -> str:
+    """The row's uncertified batches: rows named and verified, in all, and the worst true
+    PSNR of a row named neither way and of a verified row."""
+    proofs = [r.proof for r in results if r.proof is not None]
+    if not proofs:
+        return "—"
+    worst = lambda vals: f"{min(vals):.1f} dB" if vals else "—"  # noqa: E731
+    return (f"{len(proofs)}: {sum(p.named for p in proofs)} / "
+            f"{sum(p.verified for p in proofs)}; "
+            f"{worst([p.worst_other for p in proofs if p.worst_other is not None])}, "
+            f"{worst([p.worst_verified for p in proofs if p.worst_verified is not None])}")
 
 
 def run_mlp(args: argparse.Namespace, src: Labelled, B: int, m: int) -> None:
