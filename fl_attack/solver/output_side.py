@@ -339,9 +339,9 @@ def solve(G: torch.Tensor, g: torch.Tensor, layer: LayerUpdate, cfg: AttackConfi
         clock.tick("peel", t0)
         if taken is None:
             n = peeled.coords.shape[0]
-            warnings.warn(f"peeling {n} samples did not leave a clean rank {B - n}: the search "
-                          "goes on without peeling (their rows keep the verified inputs)",
-                          stacklevel=4)
+            loop.progress(ctx, "%.1fs: peeling %d samples would not leave a clean rank %d: the "
+                          "search goes on without peeling (their rows keep the verified "
+                          "inputs)", clock.elapsed(), n, B - n)
             state.peeler = None
             candidates.keep_verified(state, peeled, pool)
             continue
