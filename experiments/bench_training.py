@@ -391,7 +391,8 @@ def attack_cnn(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, seed: int,
     kept = held > READ_DB["fedsgd"]
     return BatchResult(float(score.psnr[kept].mean()) if bool(kept.any()) else 0.0,
                        rec.exact, rec.sparsity_match, rec.n_directions, seconds, rec.stopped,
-                       float(held.min()), stats, int((~kept).sum()))
+                       float(held.min()), stats, int((~kept).sum()),
+                       proof=_row_proof(rec, score))
 
 
 def run_cnn(args: argparse.Namespace, src: Labelled, B: int = 8) -> None:
