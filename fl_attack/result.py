@@ -99,8 +99,10 @@ class Reconstruction:
     """When the batch is not certified: the rows of ``inputs`` that keep it from being
     proven, each with the first condition it fails, a key of
     ``fl_attack.solver.unproven.REASONS`` (``"rounding"``, ``"mixture"``, ``"not-found"``,
-    ...). Rows not named pass every per-sample condition; they are exact only if the named
-    ones are (each row of the solve depends on every column). Empty when certified, and
+    ...). With a direction completed (``"not-found"``) every row not ``verified`` is named
+    (found ones ``"incomplete"``): each row of the solve depends on every column. Otherwise
+    rows not named pass every per-sample condition; they are exact only if the named ones
+    are. Empty when certified, and
     empty for a batch kept from its certificate by something no row carries (samples
     ``merged``, a failed ReLU check of the input side)."""
     budget_exhausted: bool = False

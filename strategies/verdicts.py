@@ -200,6 +200,7 @@ _UNPROVEN_WORDS = {
     "mixture": "read only up to a mixture with others",
     "unpinned": "not singled out by their own zero rows",
     "mismatch": "activation pattern breaking the ReLU law",
+    "incomplete": "found, but read through the completed directions",
 }
 
 

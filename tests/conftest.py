@@ -240,7 +240,8 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     checks the certified batch against the true directions' instead); every row the result
     says was verified on its own is a sample of the batch; and a batch the output side did
     not certify names the rows that keep it unproven (``Reconstruction.unproven``), each once,
-    with a known reason, none of them verified, unless samples were merged."""
+    with a known reason, none of them verified, unless samples were merged; with a completed
+    direction, every row not verified."""
     B = x.shape[0]
     assert rec.batch_size == B and rec.inputs.shape == (B, x[0].numel()), rec.as_dict()
     assert bool(torch.isfinite(rec.inputs).all())
@@ -257,6 +258,8 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     assert not set(named) & set(rec.verified) and not (rec.exact and named), rec.as_dict()
     if rec.sample_errors is not None and not rec.exact and not rec.merged:
         assert named, rec.as_dict()  # an uncertified batch names what keeps it unproven
+    if any(why == "not-found" for _, why in rec.unproven):  # a completed column: no row holds
+        assert set(named) | set(rec.verified) == set(range(B)), rec.as_dict()
     if rec.verified:  # each verified row is one of the batch's samples, to 10⁻³
         rows = rec.inputs[list(rec.verified)].double()
         truth = data.normalize(x, name).reshape(B, -1).to(rows)  # the inputs' space

@@ -267,16 +267,22 @@ def test_the_reasons_name_each_unproven_row_once_with_its_first_failed_condition
     """Noise names every row but the verified ones; a FedAvg sum names each row by a failed
     per-sample condition where it has one, else as a sum; otherwise each row gets the
     first condition it fails, in the order not found, rounding, mismatch, mixture, unpinned,
-    and a row that passes them all is not named."""
-    errors = torch.tensor([1e-7, 1e-2, 1e-7, 1e-7, 1e-7, 1e-7])
-    found = torch.tensor([True, True, True, True, True, False])
-    pinned = torch.tensor([True, False, False, True, False, False])
-    per_column = torch.tensor([1.0, 1.0, 1.0, 0.99, 1.0, 1.0])
+    then "incomplete" while a row not verified had its direction completed, and a row that
+    passes them all is not named."""
+    errors = torch.tensor([1e-7, 1e-2, 1e-7, 1e-7, 1e-7, 1e-7, 1e-7])
+    found = torch.tensor([True, True, True, True, True, False, True])
+    pinned = torch.tensor([True, False, False, True, False, False, True])
+    per_column = torch.tensor([1.0, 1.0, 1.0, 0.99, 1.0, 1.0, 1.0])
     pinned[0] = False  # row 0 unpinned and outside every group
-    got = unproven.reasons(batch_size=6, errors=errors, bound=1e-3, noisy=False, fedavg=False,
+    got = unproven.reasons(batch_size=7, errors=errors, bound=1e-3, noisy=False, fedavg=False,
                            found=found, pinned=pinned, mixed=((2, 4),), per_column=per_column)
     assert got == ((0, "unpinned"), (1, "rounding"), (2, "mixture"), (3, "mismatch"),
-                   (4, "mixture"), (5, "not-found"))
+                   (4, "mixture"), (5, "not-found"), (6, "incomplete"))
+    # the completed row read on its own through the next layer: the others are judged as usual
+    settled = unproven.reasons(batch_size=7, errors=errors, bound=1e-3, noisy=False,
+                               fedavg=False, found=found, pinned=pinned, mixed=((2, 4),),
+                               per_column=per_column, verified=(5,))
+    assert settled == got[:5]
     noisy = unproven.reasons(batch_size=3, errors=None, bound=1e-3, noisy=True, fedavg=False,
                              found=None, pinned=None, mixed=(), per_column=None, verified=(1,))
     assert noisy == ((0, "noise"), (2, "noise"))
@@ -302,6 +308,12 @@ def test_the_verdict_names_the_samples_not_proven() -> None:
            "near its noise or float32 rounding (rows 1, 3)" in reason
     facts["unproven"] = [[0, "noise"]]
     assert "not proven" not in verdicts.reconstruction_verdict(facts)[1]
+    partial = {"batch_size": 4, "n_directions": 3, "exact": False, "sparsity_match": 1.0,
+               "noisy": False, "verified": [0],
+               "unproven": [[1, "incomplete"], [2, "not-found"], [3, "incomplete"]]}
+    status, reason = verdicts.reconstruction_verdict(partial)
+    assert status == verdicts.PARTIAL and "1 sample(s) verified" in reason
+    assert "2 found, but read through the completed directions (rows 1, 3)" in reason
     # the plugin (torch-free) words exactly the library's per-sample reasons
     assert verdicts.PER_SAMPLE_UNPROVEN == unproven.PER_SAMPLE <= set(unproven.REASONS)
 

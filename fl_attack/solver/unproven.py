@@ -29,6 +29,9 @@ REASONS: dict[str, str] = {
     "fedavg": "a FedAvg sum of several local steps: the sparsity test checks only that zero "
               "rows are inactive units, so no sample is proven",
     "not-found": "its direction was not found by the search but completed from the others",
+    "incomplete": "its direction was found, but the batch has completed directions (rows "
+                  "named not-found) and each row of the solve X = D⁺G depends on every column, "
+                  "so nothing holds this row unless the completion was right",
     "rounding": "the update holds the sample only near its noise or float32 rounding "
                 "(its relative error estimate exceeds the certificate's bound)",
     "mixture": "its ReLU pattern nests with other samples': the layer fixes it only up to a "
@@ -41,7 +44,7 @@ REASONS: dict[str, str] = {
 #: The reasons that single a sample out; the others (no weights, noise, a FedAvg sum with
 #: nothing else against the row) hold for the whole batch.
 PER_SAMPLE: frozenset[str] = frozenset({"not-found", "rounding", "mismatch", "mixture",
-                                        "unpinned"})
+                                        "unpinned", "incomplete"})
 
 
 def sample_errors(dec: Decomposition, Q: torch.Tensor, s: torch.Tensor,
@@ -96,7 +99,10 @@ def reasons(
 
     The conditions in order: the direction was found, the update holds the sample above its
     rounding (a weak sample's column is imprecise, so it may break the others too), its
-    pattern obeys the ReLU law, it is outside every mixture group, its zero rows pin it.
+    pattern obeys the ReLU law, it is outside every mixture group, its zero rows pin it, and
+    no row of the batch (not verified) had its direction completed: a completed column is not
+    known even approximately, and every row of the solve depends on it, so a partial batch
+    proves no row but the verified ones and names them all.
 
     Parameters
     ----------
@@ -130,6 +136,8 @@ def reasons(
         Sorted by row; the reasons are keys of :data:`REASONS`.
     """
     done, in_group, out = set(verified), {i for group in mixed for i in group}, []
+    completed = found is not None and any(
+        not bool(found[i]) for i in range(batch_size) if i not in done)
     for i in range(batch_size):
         if i in done:
             continue
@@ -148,6 +156,8 @@ def reasons(
             why = "mixture"
         elif pinned is not None and not bool(pinned[i]):
             why = "unpinned"
+        elif completed:
+            why = "incomplete"
         elif fedavg:
             why = "fedavg"
         if why is not None:
