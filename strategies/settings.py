@@ -86,8 +86,9 @@ class AttackSettings:
         gradient readings only.
     method : {"spear++", "spear"}
     max_seconds : float, optional
-        Soft time budget of one attack (``fl_attack.AttackConfig.max_seconds``); ``None``: the
-        library's default.
+        Soft time budget of one attack (``fl_attack.AttackConfig.max_seconds``), per reading:
+        with ``update="auto"`` an update the gradient reading does not certify is attacked
+        again as a FedAvg sum, so it may take twice this; ``None``: the library's default.
     device : str, optional
         ``None`` or ``"auto"``: CUDA when available; ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
     seed : int

@@ -213,8 +213,11 @@ def _fake(outcomes: dict[str, dict]):
     return attack_once, calls
 
 
-def _res(status: str, lam: float | None = None) -> AttackOutcome:
-    return AttackOutcome(status, reconstruction=None if lam is None else {"sparsity_match": lam})
+def _res(status: str, lam: float | None = None, found: int | None = None) -> AttackOutcome:
+    facts = None if lam is None else {"sparsity_match": lam}
+    if facts is not None and found is not None:
+        facts["n_directions"] = found
+    return AttackOutcome(status, reconstruction=facts)
 
 
 @pytest.mark.parametrize(("outcomes", "want", "tried"), [
@@ -226,6 +229,9 @@ def _res(status: str, lam: float | None = None) -> AttackOutcome:
      "gradient", ["gradient", "fedavg"]),
     ({"gradient": _res("partial", 0.99), "fedavg": _res("not-certified", 0.5)}, "fedavg",
      ["gradient", "fedavg"]),
+    # two partial bases: the directions found decide, not the FedAvg λ of a completed basis
+    ({"gradient": _res("partial", 0.6, found=40), "fedavg": _res("partial", 1.0, found=0)},
+     "gradient", ["gradient", "fedavg"]),
     ({"gradient": _res("protected"), "fedavg": _res("certified", 1.0)}, "gradient",
      ["gradient"]),
     ({"gradient": _res("attack-error"), "fedavg": _res("not-certified", 0.9)}, "fedavg",

@@ -57,11 +57,18 @@ def run_job(job: AttackJob | TextJob, *, in_worker: bool = False) -> AttackOutco
     return outcome.took(time.perf_counter() - t0)
 
 
-def _rank(out: AttackOutcome) -> tuple[int, float]:
-    """Order of outcomes: certified > complete > partial, then λ."""
+def _rank(out: AttackOutcome) -> tuple[int, int, float]:
+    """Order of outcomes: certified > complete > partial, then the directions found, then λ.
+
+    Directions before λ: a partial basis is completed with columns nothing found, and the
+    FedAvg reading's λ (zero rows inactive, the only test a sum allows) passes a dense
+    completed column vacuously, so it may reach 1 with no direction found at all.
+    """
     order = {verdicts.CERTIFIED: 2, verdicts.NOT_CERTIFIED: 1, verdicts.PARTIAL: 0}
     lam = out.reconstruction_field("sparsity_match")
-    return order.get(out.status, -1), -1.0 if lam is None else float(lam)
+    found = out.reconstruction_field("n_directions")
+    return (order.get(out.status, -1), -1 if found is None else int(found),
+            -1.0 if lam is None else float(lam))
 
 
 def _attack_once(job: AttackJob, reading: str, cap: float | None = None) -> AttackOutcome:
