@@ -11,9 +11,12 @@
 #   FLWR_HOME=<repo>/.flwr
 #   FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1   the venv already holds every dependency; a
 #       SuperLink would otherwise download them again (uv sync) before each run
-#   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT / FLWR_LOCAL_CONTROL_API_PORT   ports of this project's
-#       local SuperLink, apart from Flower's defaults (39091 / 39093), so that a SuperLink
-#       another project started is never reused by mistake
+#   FLWR_LOCAL_SUPERLINK_HTTP_API_PORT / FLWR_LOCAL_CONTROL_API_PORT   ports of this checkout's
+#       local SuperLink, apart from Flower's defaults (39091 / 39093) and drawn from the
+#       checkout's path (39300-40099), so that a SuperLink another project or another checkout
+#       of this one started is not reused by mistake: `flwr run` reuses whatever SuperLink
+#       answers on its port, which runs the code of the venv that started it and writes its
+#       runs under that checkout
 # Idempotent: an existing config.toml is kept, and the block is appended once.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +36,8 @@ options.backend.client-resources.num-gpus = 0.0
 TOML
 fi
 ACTIVATE="$VENV/bin/activate"
+OFFSET=$(( $(printf '%s' "$ROOT" | cksum | cut -d' ' -f1) % 400 ))
+HTTP_PORT=$(( 39300 + 2 * OFFSET ))
 MARK="# fl-attack: Flower settings for \`flwr run .\`"
 if [[ -f "$ACTIVATE" ]] && ! grep -qF "$MARK" "$ACTIVATE"; then
     cat >>"$ACTIVATE" <<SH
@@ -40,7 +45,7 @@ if [[ -f "$ACTIVATE" ]] && ! grep -qF "$MARK" "$ACTIVATE"; then
 $MARK (scripts/flower_home.sh)
 export FLWR_HOME="$HOME_DIR"
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=39291
-export FLWR_LOCAL_CONTROL_API_PORT=39293
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$HTTP_PORT
+export FLWR_LOCAL_CONTROL_API_PORT=$(( HTTP_PORT + 1 ))
 SH
 fi
