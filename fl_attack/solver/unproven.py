@@ -141,25 +141,14 @@ def reasons(
     for i in range(batch_size):
         if i in done:
             continue
-        why = None
-        if not weights:
-            why = "no-weights"
-        elif noisy:
-            why = "noise"
-        elif found is not None and not bool(found[i]):
-            why = "not-found"
-        elif errors is not None and not float(errors[i]) <= bound:
-            why = "rounding"
-        elif per_column is not None and float(per_column[i]) < 1.0:
-            why = "mismatch"
-        elif i in in_group:
-            why = "mixture"
-        elif pinned is not None and not bool(pinned[i]):
-            why = "unpinned"
-        elif completed:
-            why = "incomplete"
-        elif fedavg:
-            why = "fedavg"
+        conditions = (  # (fails, reason), in the order the docstring gives
+            (not weights, "no-weights"), (noisy, "noise"),
+            (found is not None and not bool(found[i]), "not-found"),
+            (errors is not None and not float(errors[i]) <= bound, "rounding"),
+            (per_column is not None and float(per_column[i]) < 1.0, "mismatch"),
+            (i in in_group, "mixture"), (pinned is not None and not bool(pinned[i]), "unpinned"),
+            (completed, "incomplete"), (fedavg, "fedavg"))
+        why = next((reason for fails, reason in conditions if fails), None)
         if why is not None:
             out.append((i, why))
     if not out and weak_spectrum and errors is not None:
