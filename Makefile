@@ -84,10 +84,13 @@ compose-demo: $(STAMP)
 # The plugin as its users install it: a wheel, into a clean venv that already has the newest
 # supported Flower (FLWR_NEXT). Checks that the install keeps that Flower, then runs the
 # Flower-facing tests there (the example app runs from the installed wheel).
-test-flower-next:
-	rm -rf $(NEXT) .whl
+# PyTorch (5.5 GB with its CUDA libraries) is linked in from .venv rather than installed a
+# second time (scripts/share_torch.py); the venv is removed once its tests pass.
+test-flower-next: $(STAMP)
+	rm -rf $(NEXT) .whl build
 	$(PYTHON) -m venv $(NEXT)
 	$(NEXT)/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) scripts/share_torch.py $(NEXT)
 	$(NEXT)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1 \
 		'flwr[simulation]==$(FLWR_NEXT)'
 	$(NEXT)/bin/python -m pip wheel -q --no-deps -w .whl .
@@ -98,3 +101,4 @@ test-flower-next:
 	$(NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_flower_strategy.py \
 		tests/test_own_app.py tests/test_flower_simulation.py tests/test_ray_cluster.py \
 		-k "not $(NEXT_SKIP)"
+	rm -rf $(NEXT) .whl build
