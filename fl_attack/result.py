@@ -23,7 +23,9 @@ class Reconstruction:
     sparsity_match: float | None
     """λ ∈ [0, 1]; None without ``weight`` and ``bias``. Active units whose ∂L/∂Z is
     indistinguishable from zero count as matches when they are the only mismatches and no
-    more than chance explains (``chance_zeros``; ``match.sparsity_match``)."""
+    more than chance explains (``chance_zeros``; ``match.sparsity_match``). With
+    ``update="fedavg"`` a completed direction counts as unmatched (dense, it would pass that
+    reading's one-sided test vacuously), so λ is at most ``n_directions / batch_size``."""
     exact: bool
     """True when λ = 1 with all B directions found, no noise detected and every column pinned
     down by its own zero rows (``certify.pinning``: SPEAR Theorem 3.3 checked on the

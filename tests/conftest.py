@@ -237,7 +237,8 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     in [0, 1] (or None without weight and bias), chance zeros only at λ = 1, and a
     certificate only for a full λ = 1 basis whose every image is exact (above ``exact_db``,
     90 dB: the papers' "exact"; None where the update's own precision is less and the caller
-    checks the certified batch against the true directions' instead); every row the result
+    checks the certified batch against the true directions' instead); a FedAvg sum's λ at most
+    the share of directions found; every row the result
     says was verified on its own is a sample of the batch; and a batch the output side did
     not certify names the rows that keep it unproven (``Reconstruction.unproven``), each once,
     with a known reason, none of them verified, unless samples were merged; with a completed
@@ -249,6 +250,8 @@ def check_promises(rec: Reconstruction, x: torch.Tensor, name: str,
     assert lam is None or 0.0 <= lam <= 1.0
     assert not rec.exact or (lam == 1.0 and rec.n_directions == B), rec.as_dict()
     assert rec.chance_zeros == 0 or lam == 1.0, rec.as_dict()
+    if lam is not None and rec.config is not None and rec.config.update == "fedavg":
+        assert lam <= rec.n_directions / B, rec.as_dict()  # a completed column is no evidence
     if exact_db is not None:
         worst = float(score_images(rec.inputs, x, name).psnr.min())
         assert not rec.exact or worst > exact_db, (worst, rec.as_dict())

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 import fl_attack
+from fl_attack.core.columns import normalize_columns
 from fl_attack.model import updates
 from fl_attack.solver import candidates, certify, loop
+from fl_attack.solver import output_side as output_side_module
 from fl_attack.solver.certify import Assessment
 from fl_attack.solver.pool import CandidatePool
 from fl_attack.solver.state import SearchContext, SearchState
@@ -141,6 +143,33 @@ def test_five_full_batch_local_steps_are_read_but_never_certified_with_update_fe
                            max_seconds=None)
     promises(rec, u.x, "photos32")
     assert not rec.exact
+
+
+def test_a_completed_column_of_a_fedavg_sum_counts_as_unmatched(output_grad,
+                                                               output_side) -> None:
+    """A FedAvg sum's λ tests only that zero rows are inactive units, so a completed column
+    (dense: no zero row) passes it whole. The λ a FedAvg reading reports counts such columns
+    as unmatched: with k of B columns completed it is at most (B - k)/B, 0 with none found,
+    and the true columns keep their own count. A single step's λ is left as it is."""
+    u = _fedavg(seed=0, epochs=5, batch_size=None, output_grad=output_grad)
+    fedavg = output_side(u.dW, u.db, u.W0, u.b0, update="fedavg")
+    B, m = fedavg.B, u.dW.shape[0]
+    Qt = fedavg.basis(u.D)
+    dense = normalize_columns(torch.randn(B, B, generator=torch.Generator().manual_seed(0),
+                                          dtype=Qt.dtype))
+    found = torch.arange(B) >= 5
+    Q = torch.where(found[None, :], Qt, dense)
+    got = match.sparsity_match(Q, fedavg.system)
+    assert got is not None and bool((got.per_column[~found] == m).all())  # the vacuous pass
+    kept = output_side_module._with_evidence(got, found, subset=True)
+    assert kept is not None and kept.value <= (B - 5) / B
+    assert bool((kept.per_column[~found] == 0).all())
+    assert torch.equal(kept.per_column[found], got.per_column[found])
+    none = output_side_module._with_evidence(got, torch.zeros(B, dtype=torch.bool), subset=True)
+    assert none is not None and none.value == 0.0
+    assert output_side_module._with_evidence(got, found, subset=False) is got
+    assert output_side_module._with_evidence(got, torch.ones(B, dtype=torch.bool),
+                                             subset=True) is got
 
 
 @pytest.mark.parametrize("epochs", [2, 20])

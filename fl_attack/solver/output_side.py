@@ -32,7 +32,7 @@ from fl_attack.solver.state import (
 from fl_attack.solver.untangle import untangle
 from fl_attack.steps import batch_size, peel
 from fl_attack.steps.decompose import Decomposition, decompose
-from fl_attack.steps.match import sparsity_match
+from fl_attack.steps.match import Match, sparsity_match
 from fl_attack.steps.peel import Peeled
 from fl_attack.steps.scale import make_system, reconstruct
 from fl_attack.steps.tolerances import exact_possible, output_tolerances, rank_floor
@@ -110,7 +110,7 @@ def _invert_at(layer: LayerUpdate, cfg: AttackConfig, seed: int, clock: Clock,
         Q = found.Q
     got = _settle(layer, found, Q, clock)
     X, rows = _verified_rows(got.X, Q, _known(ctx, state, found), read=not got.proven)
-    lam = state.match
+    lam = _with_evidence(state.match, _found_mask(found), ctx.system.subset)
     errors = unproven.sample_errors(ctx.dec, got.Q, got.s, got.X)
     bound = ctx.tuning.noisy_ratio
     held = [i for i in range(ctx.B) if i not in rows]
@@ -277,6 +277,24 @@ class _Found:
         default_factory=list)
     """The peeled samples of every level: their ∂L/∂Z columns (m, F), inputs (F, n) and
     which are verified (F,) bool."""
+
+
+def _with_evidence(lam: Match | None, found: torch.Tensor, subset: bool) -> Match | None:
+    """λ of a FedAvg sum (``subset``) with its completed columns counted as unmatched.
+
+    A FedAvg sum's λ tests only that a column's zero rows are inactive units; a completed
+    column (the search did not find it; ``found`` is False) is dense, has no zero row and so
+    would pass vacuously: λ = 1 with no direction found. It carries no evidence, so its
+    entries count as mismatches. A single step's λ also tests the non-zero rows and needs
+    nothing of the kind.
+    """
+    if lam is None or not subset or bool(found.all()):
+        return lam
+    kept = torch.where(found.to(lam.per_column.device), lam.per_column,
+                       torch.zeros_like(lam.per_column))
+    total = float(lam.per_column.sum())
+    value = lam.value * float(kept.sum()) / total if total > 0 else 0.0
+    return dataclasses.replace(lam, value=value, per_column=kept)
 
 
 def _found_mask(found: _Found) -> torch.Tensor:

@@ -60,9 +60,9 @@ def run_job(job: AttackJob | TextJob, *, in_worker: bool = False) -> AttackOutco
 def _rank(out: AttackOutcome) -> tuple[int, int, float]:
     """Order of outcomes: certified > complete > partial, then the directions found, then λ.
 
-    Directions before λ: a partial basis is completed with columns nothing found, and the
-    FedAvg reading's λ (zero rows inactive, the only test a sum allows) passes a dense
-    completed column vacuously, so it may reach 1 with no direction found at all.
+    Directions before λ: the two readings' λ test different things (a FedAvg sum's only that
+    zero rows are inactive units, with completed columns counted as unmatched), so the
+    directions found are what two partial readings share as a measure.
     """
     order = {verdicts.CERTIFIED: 2, verdicts.NOT_CERTIFIED: 1, verdicts.PARTIAL: 0}
     lam = out.reconstruction_field("sparsity_match")
