@@ -253,10 +253,31 @@ def test_the_verdict_answers_the_auditors_question() -> None:
                                for k in range(2)])
     assert uncertified["verdict"].startswith(
         "The server reconstructed 2 of 2 client batches, without a certificate; 2 of the 2 "
-        "scored reconstructions are recognisable")
+        "scored reconstructions hold recognisable samples")
 
     nothing = _summary_of([ClientAudit(1, 1, status="client-error", error="x")])
     assert nothing["verdict_level"] == "none" and "No update was attacked" in nothing["verdict"]
+
+
+def test_one_recognisable_sample_is_a_leak_even_where_the_batch_mean_is_low() -> None:
+    """A batch is judged by its samples, not its mean: one photo above 25 dB among poor ones
+    is recognisable, in the verdict, its level and the privacy gate; the verdict counts the
+    samples as the per-round table does."""
+    from fl_attack_flwr.output.privacy_gate import gate_failure
+
+    rng = np.random.default_rng(7)
+    psnr = [31.0, 12.0, 11.0, 10.0]  # mean 16 dB
+    one = dataclasses.replace(_record(1, 0, gt=True, rng=rng), status="not-certified",
+                              exact=False, psnr=psnr, psnr_mean=float(np.mean(psnr)))
+    poor = dataclasses.replace(one, node_id=2000, psnr=[12.0] * 4, psnr_mean=12.0)
+    got = _summary_of([one, poor])
+    assert got["psnr_mean"] < 25.0 and got["readable"] == 1
+    assert got["samples_readable"] == 1 and got["samples_scored"] == 8
+    assert "1 of the 2 scored reconstructions hold recognisable samples (PSNR > 25 dB: 1 of 8 " \
+        "samples)" in got["verdict"]
+    assert got["verdict_level"] == "leak"
+    assert "1 of 2 attacked client update(s) readable" in gate_failure(got, "readable")
+    assert gate_failure(_summary_of([poor]), "readable") is None
 
 
 def test_the_report_explains_statuses_and_gives_every_uncertified_row_a_reason(

@@ -6,8 +6,9 @@
     some client's batch was reconstructed with the attack's certificate (exact, proven from
     the update alone);
 ``"readable"``
-    a certified reconstruction of the model's own inputs, or any reconstruction scored
-    recognisable against the ground truth (PSNR above ``summary.READABLE_DB``; audit mode
+    a certified reconstruction of the model's own inputs, or any reconstruction holding a
+    sample recognisable against the ground truth (PSNR above ``summary.READABLE_DB``, however
+    low the batch's mean: ``summary.recognisable``; audit mode
     only: pictures estimated from features count by their score; without ground truth an
     uncertified reconstruction cannot be judged and does not trip the gate);
 ``"reconstructed"``

@@ -210,7 +210,11 @@ def _summary_table(s: Mapping[str, Any], records: Sequence[ClientAudit],
         ("protected", s.get("protected")), ("mean λ", s.get("lambda_mean")),
         ("mean PSNR [dB]", s.get("psnr_mean") if gt else
          "no ground truth: the clients did not report their samples"),
-        (f"recognisable (PSNR > {READABLE_DB:.0f} dB)", s.get("readable") if gt else None),
+        (f"batches with a recognisable sample (PSNR > {READABLE_DB:.0f} dB)",
+         s.get("readable") if gt else None),
+        (f"samples recognisable (PSNR > {READABLE_DB:.0f} dB)",
+         f"{s.get('samples_readable')} of {s.get('samples_scored')}"
+         if gt and s.get("samples_scored") else None),
         ("no answer (attack failures)", s.get("attack_failures")),
         ("corrupt replies", s.get("corrupt_replies")), ("client errors", s.get("client_errors")),
         ("attack seconds (total)", s.get("attack_seconds_total")),
