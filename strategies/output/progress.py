@@ -49,10 +49,15 @@ def samples_of(record: ClientAudit) -> int:
     return int(record.true_batch_size or record.num_examples or record.batch_size or 0)
 
 
+def readable_samples(record: ClientAudit, readable_db: float) -> int:
+    """Samples of ``record`` whose PSNR against the ground truth is above ``readable_db``."""
+    return sum(1 for p in record.psnr or () if p is not None and p > readable_db)
+
+
 def samples_read(record: ClientAudit, readable_db: float) -> int:
     """Samples of the update the server read (see the module docstring)."""
     if record.psnr is not None:
-        return sum(1 for p in record.psnr if p is not None and p > readable_db)
+        return readable_samples(record, readable_db)
     if record.status == verdicts.CERTIFIED and record.reads != "features":
         return samples_of(record)
     return 0

@@ -67,7 +67,7 @@ def summarize(records: Sequence[ClientAudit], rounds: Mapping[int, Mapping[str, 
         "statuses": {s: n for s, n in count.items() if n},
         "readable": sum(1 for r in rec if recognisable(r)),
         "samples_scored": sum(len(_sample_scores(r)) for r in rec),
-        "samples_readable": sum(_n_readable(r) for r in rec),
+        "samples_readable": sum(progress.readable_samples(r, READABLE_DB) for r in rec),
         "certified_or_readable": sum(1 for r in rec if (
             r.status == verdicts.CERTIFIED and r.reads != "features") or recognisable(r)),
         "exact_by_psnr": sum(1 for p in psnrs if p > EXACT_DB),
@@ -98,17 +98,12 @@ def _sample_scores(record: ClientAudit) -> list[float]:
     return [p for p in record.psnr or () if p is not None and math.isfinite(p)]
 
 
-def _n_readable(record: ClientAudit) -> int:
-    """Samples of ``record`` recognisable against the ground truth (PSNR > READABLE_DB)."""
-    return sum(1 for p in _sample_scores(record) if p > READABLE_DB)
-
-
 def recognisable(record: ClientAudit) -> bool:
     """Whether a scored reconstruction holds a recognisable sample: any sample above
     ``READABLE_DB`` (the batch's mean PSNR when no per-sample score is known). One readable
     photo is a leak even where the batch's mean is low."""
     if _sample_scores(record):
-        return _n_readable(record) > 0
+        return progress.readable_samples(record, READABLE_DB) > 0
     mean = record.psnr_mean
     return mean is not None and math.isfinite(mean) and mean > READABLE_DB
 
@@ -133,7 +128,8 @@ def _feature_totals(records: Sequence[ClientAudit]) -> dict[str, Any]:
         "pictures_scored": len(scored),
         "pictures_readable": sum(1 for r in feats if recognisable(r)),
         "pictures_samples": sum(len(_sample_scores(r)) for r in feats),
-        "pictures_samples_readable": sum(_n_readable(r) for r in feats),
+        "pictures_samples_readable": sum(progress.readable_samples(r, READABLE_DB)
+                                         for r in feats),
         "pictures_psnr_mean": float(np.mean(scored)) if scored else None,
         "pictures_ssim_mean": float(np.mean(ssims)) if ssims else None,
         "feature_residual_mean": float(np.mean(residual)) if residual else None,
@@ -292,7 +288,8 @@ def _read_sentences(s: Mapping[str, Any]) -> list[str]:
                                                   - s.get("text_certified", 0))
     if uncert:
         how = (f"; {s['readable']} of the {s['scored']} scored reconstructions hold "
-               f"recognisable samples (PSNR > {READABLE_DB:.0f} dB{_of_samples(s, '')})."
+               f"recognisable samples (PSNR > {READABLE_DB:.0f} dB"
+               f"{_of_samples(s['samples_readable'], s['samples_scored'], 'samples')})."
                if s["scored"] else " (no ground truth to say how close).")
         if out:
             out.append(f"{uncert} more {'was' if uncert == 1 else 'were'} reconstructed "
@@ -306,11 +303,12 @@ def _read_sentences(s: Mapping[str, Any]) -> list[str]:
 def _pictures_sentence(s: Mapping[str, Any]) -> str:
     """How far the pictures estimated from exact features go."""
     if s["pictures_scored"]:
+        each = _of_samples(s["pictures_samples_readable"], s["pictures_samples"], "pictures")
         return (f"From the features it estimated the pictures by feature inversion, an "
                 f"approximation: mean PSNR {s['pictures_psnr_mean']:.1f} dB, SSIM "
                 f"{s['pictures_ssim_mean']:.2f}; {s['pictures_readable']} of "
                 f"{s['pictures_scored']} batches hold recognisable pictures (PSNR > "
-                f"{READABLE_DB:.0f} dB{_of_samples(s, 'pictures_')}).")
+                f"{READABLE_DB:.0f} dB{each}).")
     if s["pictures_estimated"]:
         return ("From the features it estimated pictures by feature inversion, an "
                 "approximation (their own features match the recovered ones to "
@@ -323,12 +321,9 @@ def _pictures_sentence(s: Mapping[str, Any]) -> str:
             "(AuditingStrategy(..., model=Net)) to estimate them.")
 
 
-def _of_samples(s: Mapping[str, Any], prefix: str) -> str:
-    """': k of n samples' (``prefix`` "pictures_": pictures), where per-sample scores exist."""
-    n = s.get(f"{prefix}samples") if prefix else s.get("samples_scored")
-    k = s.get(f"{prefix}samples_readable")
-    noun = "pictures" if prefix else "samples"
-    return f": {k} of {n} {noun}" if n else ""
+def _of_samples(readable: int, scored: int, noun: str) -> str:
+    """': k of n samples' (``noun``), where per-sample scores exist."""
+    return f": {readable} of {scored} {noun}" if scored else ""
 
 
 def _level(s: Mapping[str, Any]) -> str:
