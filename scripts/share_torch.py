@@ -22,19 +22,16 @@ import sysconfig
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 HEAVY = re.compile(r"^(torch|torchvision|triton|nvidia-.*|cuda-.*)$")
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def heavy_closure(roots: tuple[str, ...] = ("torch", "torchvision")) -> list[metadata.Distribution]:
     """The installed distributions among ``roots`` and their requirements that match HEAVY."""
     seen: dict[str, metadata.Distribution] = {}
     done: set[tuple[str, str]] = set()
-    todo = [(_canonical(r), "") for r in roots]
+    todo = [(canonicalize_name(r), "") for r in roots]
     while todo:
         name, extra = todo.pop()
         if (name, extra) in done or not HEAVY.match(name):
@@ -44,7 +41,7 @@ def heavy_closure(roots: tuple[str, ...] = ("torch", "torchvision")) -> list[met
         for line in seen[name].requires or []:
             req = Requirement(line)
             if req.marker is None or req.marker.evaluate({"extra": extra}):
-                dep = _canonical(req.name)
+                dep = canonicalize_name(req.name)
                 todo += [(dep, "")] + [(dep, e) for e in req.extras]
     return list(seen.values())
 
